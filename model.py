@@ -1,0 +1,303 @@
+"""The model: ModelConfig (read from an HF config.json) and one Transformer for five families.
+
+llama, qwen2, qwen3, mistral and opt differ only in switches of ModelConfig: the norm (RMS or
+LayerNorm), the MLP (SiLU-gated or ReLU), biases, per-head q/k norms, rotary or learned
+positions, pre- or post-norm, a sliding window, tied embeddings. There is one attention, one
+block and one forward; nothing is copied per family.
+
+Attention either runs causal SDPA over the tokens it is given (cache=None: prompts, training,
+profiling) or hands q, k, v to a KV cache, which stores k and v and attends over everything
+the sequence has seen (kvcache/). Loading weights into this module is loading.py's job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt")
+
+
+class UnsupportedModelError(ValueError):
+    """The config describes a model this Transformer cannot run."""
+
+
+@dataclass
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    max_seq_len: int
+    norm_eps: float = 1e-5
+    layer_norm: bool = False  # LayerNorm with bias (opt) instead of RMSNorm
+    gated_silu_mlp: bool = True  # SiLU(gate) * up -> down; else ReLU fc1 -> fc2 (opt)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k before RoPE
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    learned_positions: bool = False  # opt: position embeddings instead of RoPE
+    pre_norm: bool = True  # opt-350m is post-norm
+    final_norm: bool = True
+    embed_dim: int | None = None  # opt's word_embed_proj_dim, when it differs from dim
+    tie_embeddings: bool = False
+    sliding_window: int | None = None  # mistral: attend to the last W positions only
+    extra: dict = field(default_factory=dict, repr=False)  # the raw HF config, for reference
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.embed_dim or self.dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Build a config from an HF config.json dict (any of the supported model_types)."""
+        arch = cfg.get("model_type")
+        if arch not in SUPPORTED_ARCHS:
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch!r}; nanokv runs: {', '.join(SUPPORTED_ARCHS)}"
+            )
+        n_heads = cfg["num_attention_heads"]
+        dim = cfg["hidden_size"]
+        common = dict(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            dim=dim,
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            max_seq_len=cfg.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "opt")),
+            extra=cfg,
+        )
+        if arch == "opt":
+            embed_dim = cfg.get("word_embed_proj_dim", dim)
+            if cfg.get("activation_function", "relu") != "relu":
+                raise UnsupportedModelError("opt: only activation_function='relu' is supported")
+            bias = cfg.get("enable_bias", True)
+            pre_norm = cfg.get("do_layer_norm_before", True)
+            return cls(
+                **common,
+                n_kv_heads=n_heads,
+                head_dim=dim // n_heads,
+                ffn_dim=cfg["ffn_dim"],
+                layer_norm=True,
+                gated_silu_mlp=False,
+                qkv_bias=bias,
+                o_bias=bias,
+                mlp_bias=bias,
+                learned_positions=True,
+                pre_norm=pre_norm,
+                final_norm=pre_norm and not cfg.get("_remove_final_layer_norm", False),
+                embed_dim=embed_dim if embed_dim != dim else None,
+            )
+        rope_theta, rope_scaling = _rope_settings(cfg)
+        head_dim = cfg.get("head_dim") or dim // n_heads
+        sliding = cfg.get("sliding_window") if arch == "mistral" else None
+        return cls(
+            **common,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            ffn_dim=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=bool(cfg.get("attention_bias", False)) and arch != "qwen2",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "qwen3",
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            sliding_window=sliding,
+        )
+
+
+def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
+    """RoPE theta and scaling from either the old (rope_theta + rope_scaling) or the newer
+    (rope_parameters) config layout."""
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    scaling = params or cfg.get("rope_scaling") or None
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "default":
+            return float(theta), None
+        if kind not in ("llama3", "linear"):
+            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (llama3, linear are)")
+        scaling = {**scaling, "rope_type": kind}
+    return float(theta), scaling
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotation frequency of each channel pair, with Llama-3 or linear scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq.float()
+    if s["rope_type"] == "linear":
+        return (inv_freq / s["factor"]).float()
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0, 1)
+    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return scaled.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + D/2) by the position angle: HF's rotate_half convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def make_norm(config: ModelConfig, dim: int) -> nn.Module:
+    if config.layer_norm:
+        return nn.LayerNorm(dim, eps=config.norm_eps)
+    return RMSNorm(dim, config.norm_eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.sliding_window = config.sliding_window
+        hd = config.head_dim
+        self.q_proj = nn.Linear(config.dim, config.n_heads * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.n_heads * hd, config.dim, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.norm_eps)
+            self.k_norm = RMSNorm(hd, config.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            o = causal_attention(q, k, v, self.sliding_window)
+        else:
+            o = cache.attend(self.layer_idx, q, k, v)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Causal SDPA of T queries over the same T keys, with GQA and an optional sliding window."""
+    T = q.shape[-2]
+    if window is None or window >= T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+    i = torch.arange(T, device=q.device)
+    allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gated = config.gated_silu_mlp
+        d, f, b = config.dim, config.ffn_dim, config.mlp_bias
+        if self.gated:
+            self.gate_proj = nn.Linear(d, f, bias=b)
+            self.up_proj = nn.Linear(d, f, bias=b)
+            self.down_proj = nn.Linear(f, d, bias=b)
+        else:
+            self.fc1 = nn.Linear(d, f, bias=b)
+            self.fc2 = nn.Linear(f, d, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.pre_norm = config.pre_norm
+        self.attn_norm = make_norm(config, config.dim)
+        self.attn = Attention(config, layer_idx)
+        self.mlp_norm = make_norm(config, config.dim)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rope, cache) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.attn(self.attn_norm(x), rope, cache)
+            return x + self.mlp(self.mlp_norm(x))
+        # post-norm (opt-350m): normalise after each residual add
+        x = self.attn_norm(x + self.attn(x, rope, cache))
+        return self.mlp_norm(x + self.mlp(x))
+
+
+class Transformer(nn.Module):
+    OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at row 2
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        e = config.embedding_dim
+        self.tok_embeddings = nn.Embedding(config.vocab_size, e)
+        if config.learned_positions:
+            self.pos_embeddings = nn.Embedding(config.max_seq_len + self.OPT_POSITION_OFFSET, config.dim)
+        if e != config.dim:
+            self.project_in = nn.Linear(e, config.dim, bias=False)
+            self.project_out = nn.Linear(config.dim, e, bias=False)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        if config.final_norm:
+            self.norm = make_norm(config, config.dim)
+        if not config.tie_embeddings:
+            self.lm_head = nn.Linear(e, config.vocab_size, bias=False)
+        if not config.learned_positions:
+            self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.config.tie_embeddings else self.lm_head.weight
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Logits [B, T, vocab] for token ids [B, T] at absolute positions [B, T] (default 0..T-1)."""
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=ids.device).expand(B, T)
+        x = self.tok_embeddings(ids)
+        if hasattr(self, "project_in"):
+            x = self.project_in(x)
+        rope = None
+        if self.config.learned_positions:
+            x = x + self.pos_embeddings(positions + self.OPT_POSITION_OFFSET)
+        else:
+            angles = positions[..., None].float() * self.inv_freq
+            angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D] broadcast over heads
+            rope = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+        for layer in self.layers:
+            x = layer(x, rope, cache)
+        if hasattr(self, "norm"):
+            x = self.norm(x)
+        if hasattr(self, "project_out"):
+            x = self.project_out(x)
+        return F.linear(x, self.output_weight())
