@@ -15,6 +15,7 @@ import collections
 import itertools
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -63,6 +64,7 @@ class LLM:
         device: str | None = None,
         dtype: torch.dtype | None = None,
         kv_budget_gb: float | None = None,
+        num_pages: int | None = None,
         max_batch: int = 16,
         sink: int = 32,
         window: int = 128,
@@ -79,11 +81,12 @@ class LLM:
         self.device = torch.device(device)
         if loaded is None:
             loaded = loading.load_model(model, device=device, dtype=dtype, allow_pickle=allow_pickle, progress=progress)
-        self.model, self.tokenizer = loaded
+        self.model, self.tokenizer = loaded  # tokenizer None: token ids in and out only (benchmarks)
         self.model.eval()
+        self.eos_ids = self.tokenizer.eos_ids if self.tokenizer else set()
         self.config = self.model.config
         self.dtype = next(self.model.parameters()).dtype
-        budget = int(kv_budget_gb * 2**30) if kv_budget_gb else default_kv_budget(self.device)
+        budget = None if num_pages is not None else int(kv_budget_gb * 2**30) if kv_budget_gb else default_kv_budget(self.device)
         self.cache = KVCache(
             n_layers=self.config.n_layers,
             n_kv_heads=self.config.n_kv_heads,
@@ -94,6 +97,7 @@ class LLM:
             max_seqs=max_batch,
             max_seq_len=self.config.max_seq_len,
             budget_bytes=budget,
+            num_pages=num_pages,
             device=self.device,
             dtype=self.dtype,
             sliding_window=self.config.sliding_window,
@@ -103,6 +107,8 @@ class LLM:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
+        # Wall time per phase; sampling copies the tokens to the host, so each phase ends synced.
+        self.timing = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_steps": 0, "decode_tokens": 0}
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -169,29 +175,38 @@ class LLM:
         return finished
 
     def _prefill(self, req: Request) -> None:
+        t0 = time.perf_counter()
         ids = torch.tensor([req.prompt_ids], device=self.device)
         self.cache.begin_step([req.slot], len(req.prompt_ids))
         logits = self.model(ids, cache=self.cache)[:, -1]
         self.cache.end_step()
-        self._accept(req, sample(logits, [req])[0])
+        token = sample(logits, [req])[0]
+        self.timing["prefill_s"] += time.perf_counter() - t0
+        self.timing["prefill_tokens"] += len(req.prompt_ids)
+        self._accept(req, token)
 
     def _decode(self, reqs: list[Request]) -> None:
+        t0 = time.perf_counter()
         ids = torch.tensor([[r.output_ids[-1]] for r in reqs], device=self.device)
         positions = torch.tensor([[len(r.prompt_ids) + len(r.output_ids) - 1] for r in reqs], device=self.device)
         self.cache.begin_step([r.slot for r in reqs], 1)
         logits = self.model(ids, positions, cache=self.cache)[:, -1]
         self.cache.end_step()
-        for req, tok in zip(reqs, sample(logits, reqs)):
+        tokens = sample(logits, reqs)
+        self.timing["decode_s"] += time.perf_counter() - t0
+        self.timing["decode_steps"] += 1
+        self.timing["decode_tokens"] += len(reqs)
+        for req, tok in zip(reqs, tokens):
             self._accept(req, tok)
 
     def _accept(self, req: Request, token: int) -> None:
         """Append a sampled token, stream its text, and decide whether the request is done."""
         p = req.params
-        if token in self.tokenizer.eos_ids and not p.ignore_eos:
+        if token in self.eos_ids and not p.ignore_eos:
             req.finish_reason = "eos"
         else:
             req.output_ids.append(token)
-            req.text = self.tokenizer.decode(req.output_ids)
+            req.text = self.tokenizer.decode(req.output_ids, skip_special=True) if self.tokenizer else ""
             for s in p.stop:
                 cut = req.text.find(s)
                 if cut >= 0:
@@ -343,8 +358,9 @@ def sampling_from_args(args) -> SamplingParams:
 def cmd_generate(args) -> None:
     llm = llm_from_args(args)
     prompts = args.prompts
-    if args.chat_template:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    if args.chat_template:  # the rendered template already holds any BOS it wants
+        prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_bos=False)
+                   for p in prompts]
     params = sampling_from_args(args)
     if len(prompts) == 1:
         print(args.prompts[0], end="", flush=True)
@@ -374,6 +390,7 @@ def cmd_chat(args) -> None:
             continue
         messages.append({"role": "user", "content": line})
         prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = llm.tokenizer.encode(prompt, add_bos=False)  # the template already holds any BOS it wants
         try:
             req = llm.add_request(prompt, params, on_text=lambda r, t: print(t, end="", flush=True))
         except ValueError as e:  # e.g. the conversation outgrew the context
