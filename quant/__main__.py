@@ -1,0 +1,118 @@
+"""python -m quant report [--model M]: what each format loses on a real model's keys and values.
+
+Runs the model (default SmolLM2-135M-Instruct) over a text, records every layer's q, k, v as
+the cache would receive them (after RoPE), cuts K and V into 128-token pages, and passes
+them through each preset's encode and decode. Per preset it prints one row of a markdown table:
+
+- bits/element: every byte a page stores (codes, scales, ids) x 8 / elements, K and V averaged;
+- K rel. MSE, V rel. MSE: ||x' - x||^2 / ||x||^2, per layer, averaged over layers;
+- attn cosine: cosine similarity between the causal attention probabilities of each query
+  computed with the decoded K and with the exact K, averaged over queries, heads, layers;
+- out rel. error: ||o' - o|| / ||o|| of the attention output with decoded K and V.
+
+Every token goes through the format: the cache's FP16 sink and recent tiers are left out, so
+this measures the format alone. Only this command line loads a model (through loading.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from . import FORMAT_NAMES, PAGE_TOKENS, KVFormat, TileCodec, get_format
+from .kvmix import SAMPLE_TEXT
+
+SAME_PAGES_AS = {"kivi-k2v2-nosink": "kivi-k2v2"}  # presets that differ only in the cache's tiers
+
+
+def capture(model: torch.nn.Module, ids: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Per layer, float32 q [Hq, L, D], k and v [H, L, D] of one sequence."""
+    from model import causal_attention
+
+    captured = []
+
+    class Recorder:  # stands in for the KV cache: records, then attends exactly
+        def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            captured.append((q[0].float(), k[0].float(), v[0].float()))
+            return causal_attention(q, k, v, model.config.sliding_window)
+
+    with torch.no_grad():
+        model(ids[None], cache=Recorder())
+    return captured
+
+
+def roundtrip(fmt: KVFormat, codec: TileCodec, x: Tensor) -> Tensor:
+    """x [H, L, D] (L a multiple of 128) through encode and decode, page by page."""
+    pages = x.unflatten(1, (-1, PAGE_TOKENS)).transpose(0, 1)  # [pages, H, 128, D]
+    return fmt.unrotate(codec.decode(codec.encode(pages))).transpose(0, 1).flatten(1, 2)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal attention probabilities [Hq, L, L] and output [Hq, L, D], GQA by repeating kv heads."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+    p = scores.masked_fill(future, -torch.inf).softmax(-1)
+    return p, p @ v
+
+
+def measure(fmt: KVFormat, captured: list[tuple[Tensor, Tensor, Tensor]]) -> dict[str, float]:
+    rows = []
+    for layer, (q, k, v) in enumerate(captured):
+        f = fmt.for_layer(layer)
+        k_hat, v_hat = roundtrip(f, f.k, k), roundtrip(f, f.v, v)
+        p, o = attention(q, k, v)
+        p_hat, o_hat = attention(q, k_hat, v_hat)
+        rows.append((
+            ((k_hat - k).pow(2).sum() / k.pow(2).sum()).item(),
+            ((v_hat - v).pow(2).sum() / v.pow(2).sum()).item(),
+            torch.cosine_similarity(p_hat, p, dim=-1).mean().item(),
+            ((o_hat - o).norm() / o.norm()).item(),
+        ))
+    means = [sum(col) / len(rows) for col in zip(*rows)]
+    heads, _, head_dim = captured[0][1].shape
+    return {"bits": fmt.bits_per_element(heads, head_dim), **dict(zip(("k_mse", "v_mse", "cosine", "out_err"), means))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m quant", description="KV cache format tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    rep = commands.add_parser("report", help="bits and errors of every format on a model's real K/V")
+    rep.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
+    rep.add_argument("--text", default=str(SAMPLE_TEXT), help="text to run (its last --tokens tokens)")
+    rep.add_argument("--tokens", type=int, default=1024, help="tokens to capture, rounded down to whole pages")
+    rep.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+
+    from loading import load_model
+
+    model, tokenizer = load_model(args.model, device=args.device, dtype=torch.float32)
+    ids = torch.tensor(tokenizer.encode(Path(args.text).read_text()), device=args.device)
+    length = min(args.tokens, len(ids)) // PAGE_TOKENS * PAGE_TOKENS
+    if length == 0:
+        raise SystemExit(f"{args.text} has fewer than {PAGE_TOKENS} tokens")
+    captured = capture(model, ids[-length:])  # the end of the text: the kvmix profiler uses its start
+    heads, _, head_dim = captured[0][1].shape
+    print(f"{args.model or 'SmolLM2-135M-Instruct'}: {len(captured)} layers, {heads} kv heads, head dim {head_dim}, "
+          f"{length} tokens = {length // PAGE_TOKENS} pages per layer, every token quantized\n")
+    print("| format | bits/element | K rel. MSE | V rel. MSE | attn cosine | out rel. error |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name in FORMAT_NAMES:
+        if name in SAME_PAGES_AS:
+            continue
+        try:
+            options = {"n_layers": len(captured)} if name == "kvmix" else {}
+            r = measure(get_format(name, **options), captured)
+        except (ValueError, FileNotFoundError) as e:  # e.g. no kvmix plan for this model
+            print(f"| {name} | n/a: {e} | | | | |")
+            continue
+        print(f"| {name} | {r['bits']:.3f} | {r['k_mse']:.4f} | {r['v_mse']:.4f} | {r['cosine']:.4f} | {r['out_err']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()

