@@ -1,0 +1,84 @@
+"""kernels: tiered decode attention and page encoding, in Triton and as a torch reference.
+
+    kernels.decode_attention(q, fmt, k_pages, v_pages, page_table, n_pages,
+                             sink_k, sink_v, n_sink, recent_k, recent_v, n_recent, scale,
+                             slots=None, window=None, return_lse=False, backend=None)
+        -> o, or (o, lse) with return_lse                 # arguments: kernels/reference.py
+    kernels.encode_pages(codec, x, pool_fields, page_ids, backend=None)   # x [N, H, T, D] -> pages, in place
+    kernels.merge_partials([(o, lse), ...])              # log-sum-exp merge of partial attentions
+
+backend: "triton" or "torch"; None picks triton for CUDA tensors and torch otherwise.
+Triton on CPU tensors runs under the Triton interpreter (slow; for tests): whether a kernel is
+interpreted is fixed when its module is imported, so the Triton modules are imported lazily
+and, for a CPU call, with TRITON_INTERPRET=1 set first.
+
+Both backends support every quant/ format and every option above (Triton needs a power-of-2
+head dim). Files: reference.py (torch oracle, off-GPU path), layout.py (how the kernels address
+every format's fields), attention.py, quantize.py (Triton), bench.py (GPU timing hooks for
+`bench.py kernels`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+BACKENDS = ("triton", "torch")
+
+
+def pick_backend(device: torch.device, backend: str | None = None) -> str:
+    """The backend to use for tensors on `device`: the requested one, or triton on CUDA, torch elsewhere."""
+    if backend is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+    return backend
+
+
+def _triton_module(name: str, device: torch.device) -> ModuleType:
+    """kernels.attention or kernels.quantize, imported for this device (interpreted on CPU)."""
+    full = f"{__name__}.{name}"
+    if device.type != "cuda" and full not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+    module = importlib.import_module(full)
+    if module.INTERPRETED != (device.type != "cuda"):
+        how = "with" if module.INTERPRETED else "without"
+        raise RuntimeError(f"{full} was imported {how} TRITON_INTERPRET=1 and cannot run on {device.type} tensors "
+                           "in this process")
+    return module
+
+
+def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[str, Tensor],
+                     page_table: Tensor, n_pages: Tensor,
+                     sink_k: Tensor, sink_v: Tensor, n_sink: Tensor,
+                     recent_k: Tensor, recent_v: Tensor, n_recent: Tensor,
+                     scale: float, *, slots: Tensor | None = None, window: int | None = None,
+                     return_lse: bool = False, backend: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of q [B, Hq, D] (or [B, Hq, T, D]) over the sink, page and recent tiers of each row.
+    slots / window / return_lse: see reference.decode_attention."""
+    args = (q, fmt, k_pages, v_pages, page_table, n_pages, sink_k, sink_v, n_sink, recent_k, recent_v, n_recent, scale)
+    opts = dict(slots=slots, window=window, return_lse=return_lse)
+    if pick_backend(q.device, backend) == "torch":
+        return reference.decode_attention(*args, **opts)
+    return _triton_module("attention", q.device).decode_attention(*args, **opts)
+
+
+def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor,
+                 backend: str | None = None) -> None:
+    """Encode tiles x [N, H, T, D] with `codec` into pool pages page_ids [N], in place."""
+    if pick_backend(x.device, backend) == "torch":
+        reference.encode_pages_reference(codec, x, pool_fields, page_ids)
+    else:
+        _triton_module("quantize", x.device).encode_pages(codec, x, pool_fields, page_ids)
+
+
+merge_partials = reference.merge_partials
+
+__all__ = ["BACKENDS", "decode_attention", "encode_pages", "merge_partials", "pick_backend", "reference"]

@@ -1,0 +1,134 @@
+"""Timing hooks for `python bench.py kernels` (GPU only): decode attention, SDPA, encode, copy.
+
+Each function builds its inputs on the GPU, times one call with CUDA events (the median of
+triton.testing.do_bench; the attention also inside a CUDA graph, which hides Python launch
+overhead the way the engine's decode loop would) and returns a dict of plain numbers.
+Bytes are what a call must move at least: every stored byte of the pages it reads (codes,
+scales, ids), the FP16 tiers, q and the output. The pages of every batch row are distinct
+pool pages, so nothing is served from L2 that a real cache would read from HBM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench, do_bench_cudagraph
+
+import quant
+
+from . import attention, quantize
+
+PAGE = quant.PAGE_TOKENS
+
+
+def copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 2 << 30) -> float:
+    """Device copy bandwidth in bytes/s, counting the read and the write (as DESIGN.md does)."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def tier_counts(context: int, sink: int = 32, window: int = 128) -> tuple[int, int, int]:
+    """(sink, pages, recent) tokens of a sequence of `context` tokens, by the cache's flush rule."""
+    n_sink = min(context, sink)
+    n_pages = max(0, context - sink - window) // PAGE
+    return n_sink, n_pages, context - n_sink - n_pages * PAGE
+
+
+def _pool(codec, n_pages: int, heads: int, head_dim: int, device, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """n_pages distinct pages: 64 really encoded random tiles, copied round the pool."""
+    base = codec.encode(torch.randn(min(64, n_pages), heads, PAGE, head_dim, device=device, generator=gen))
+    reps = -(-n_pages // base[next(iter(base))].shape[0])
+    return {n: f.repeat(reps, *[1] * (f.dim() - 1))[:n_pages].contiguous() for n, f in base.items()}
+
+
+def attention_inputs(kv: str, batch: int, context: int, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                     sink: int = 32, window: int = 128, device="cuda", seed: int = 0) -> tuple[tuple, int]:
+    """Positional arguments of decode_attention for `batch` rows of `context` tokens, and the bytes a call moves."""
+    gen = torch.Generator(device).manual_seed(seed)
+    fmt = quant.get_format(kv).for_layer(0)
+    n_sink, n_pages, n_recent = tier_counts(context, sink, window)
+    total = max(1, batch * n_pages)
+    k_pages = _pool(fmt.k, total, kv_heads, head_dim, device, gen)
+    v_pages = _pool(fmt.v, total, kv_heads, head_dim, device, gen)
+    table = torch.randperm(total, device=device, generator=gen)[: batch * n_pages].view(batch, n_pages).int()
+    i32 = dict(dtype=torch.int32, device=device)
+
+    def dense(n: int) -> torch.Tensor:
+        return torch.randn(batch, kv_heads, max(n, 1), head_dim, device=device, generator=gen).half()
+
+    q = torch.randn(batch, q_heads, head_dim, device=device, generator=gen).half()
+    args = (q, fmt, k_pages, v_pages, table, torch.full((batch,), n_pages, **i32),
+            dense(n_sink), dense(n_sink), torch.full((batch,), n_sink, **i32),
+            dense(n_recent), dense(n_recent), torch.full((batch,), n_recent, **i32), head_dim**-0.5)
+    nbytes = (batch * n_pages * fmt.page_bytes(kv_heads, head_dim)  # pages, every field
+              + batch * (n_sink + n_recent) * kv_heads * head_dim * 2 * 2  # FP16 sink + recent, K and V
+              + table.numel() * 4 + 2 * q.numel() * 2)  # page table, q in, o out
+    return args, nbytes
+
+
+def bench_attention(kv: str, batch: int, context: int, **shape) -> dict:
+    """Triton decode attention over the tiers: ms per call (graph and eager), bytes, bytes/s."""
+    args, nbytes = attention_inputs(kv, batch, context, **shape)
+    fn = lambda: attention.decode_attention(*args)  # noqa: E731
+    fn()
+    ms = do_bench_cudagraph(fn, return_mode="median")
+    ms_eager = do_bench(fn, return_mode="median")
+    return {"kv": kv, "batch": batch, "context": context, "ms": ms, "ms_eager": ms_eager, "bytes": nbytes,
+            "bytes_per_s": nbytes / (ms * 1e-3)}
+
+
+def bench_sdpa(batch: int, context: int, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+               device="cuda") -> dict:
+    """torch SDPA of one query over contiguous FP16 K/V [batch, kv_heads, context, head_dim] (GQA)."""
+    q = torch.randn(batch, q_heads, 1, head_dim, device=device, dtype=torch.float16)
+    k = torch.randn(batch, kv_heads, context, head_dim, device=device, dtype=torch.float16)
+    v = torch.randn_like(k)
+    fn = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+    ms = do_bench_cudagraph(fn, return_mode="median")
+    nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
+    return {"kv": "sdpa", "batch": batch, "context": context, "ms": ms, "bytes": nbytes,
+            "bytes_per_s": nbytes / (ms * 1e-3)}
+
+
+def bench_encode(kv: str, batch: int, kv_heads: int = 8, head_dim: int = 128, device="cuda") -> dict:
+    """Encode one 128-token page of K and of V for each of `batch` sequences (one layer, one flush)."""
+    fmt = quant.get_format(kv).for_layer(0)
+    x = torch.randn(batch, kv_heads, PAGE, head_dim, device=device, dtype=torch.float16)
+    pools = [{n: torch.empty((batch, *s), dtype=dt, device=device)
+              for n, (s, dt) in codec.field_specs(kv_heads, head_dim).items()} for codec in (fmt.k, fmt.v)]
+    ids = torch.arange(batch, dtype=torch.int32, device=device)
+
+    def fn():
+        quantize.encode_pages(fmt.k, x, pools[0], ids)
+        quantize.encode_pages(fmt.v, x, pools[1], ids)
+
+    fn()
+    return {"kv": kv, "batch": batch, "ms_per_flush": do_bench(fn, return_mode="median")}
+
+
+def kernel_table(kvs=("fp16", "kivi-k2v2", "kitty", "kitty-pro", "kvarn", "nqkv"), batches=(1, 16, 64),
+                 contexts=(4096, 32768), q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> list[dict]:
+    """The issue's table (Llama-3-8B attention shape by default): every (kv, batch, context) with
+    its share of copy bandwidth and its speedup over our FP16 paged kernel (kvs must start with
+    fp16 for that) and over SDPA; then the encode cost per flush of every kv and batch."""
+    shape = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    copy = copy_bandwidth()
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            sdpa = bench_sdpa(batch, context, **shape)
+            fp16 = None
+            for kv in kvs:
+                r = bench_attention(kv, batch, context, **shape)
+                fp16 = r if kv == "fp16" else fp16
+                r.update(copy_fraction=r["bytes_per_s"] / copy, vs_sdpa=sdpa["ms"] / r["ms"],
+                         vs_fp16=fp16["ms"] / r["ms"] if fp16 else None, sdpa_ms=sdpa["ms"])
+                rows.append(r)
+                torch.cuda.empty_cache()
+    for kv in kvs:
+        for batch in batches:
+            e = bench_encode(kv, batch, kv_heads, head_dim)
+            rows.append({**e, "copy_bytes_per_s": copy})
+    return rows

@@ -1,0 +1,128 @@
+"""Torch reference of the kernels: tiered decode attention and page encoding.
+
+This is the oracle the Triton kernels are tested against and the path the cache takes
+off-GPU. It favours clarity over speed but is batched and vectorised: pages are gathered
+through the page table, decoded with the format's torch codec, and every tier (FP16 sink,
+quantized pages, FP16 recent window) gets its own partial softmax (o, lse); the partials
+are merged with the log-sum-exp trick, exactly as the split-K kernel merges its splits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from quant import PAGE_TOKENS
+
+
+def partial_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax attention restricted to the valid keys of each batch row.
+
+    q [B, H, M, D] (already scaled), k/v [B, H, N, D], valid bool [B, N] or, per query, [B, M, N].
+    Returns o [B, H, M, D] and lse [B, H, M] (natural log); a row with no valid key
+    gets o = 0 and lse = -inf so that it drops out of the merge.
+    """
+    mask = valid[:, None, None, :] if valid.dim() == 2 else valid[:, None]
+    s = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    # exp(-inf - 0) = 0 keeps empty rows at o = 0 instead of NaN.
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return p @ v, lse
+
+
+def merge_partials(parts: list[tuple[Tensor, Tensor]], with_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Combine partial (o, lse) pairs over disjoint key sets into the full softmax output
+    (and, with_lse, the log-sum-exp over all of them)."""
+    o = torch.stack([p[0] for p in parts])
+    lse = torch.stack([p[1] for p in parts])
+    m = lse.amax(dim=0)
+    m_safe = torch.where(torch.isfinite(m), m, 0.0)
+    w = torch.exp(lse - m_safe[None])
+    total = w.sum(0)
+    out = (w[..., None] * o).sum(0) / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
+    return (out, m_safe + torch.log(total)) if with_lse else out
+
+
+def gather_pages(codec, pages: dict[str, Tensor], page_table: Tensor, n_pages: Tensor) -> Tensor:
+    """Decode the first max(n_pages) pages of every batch row into [B, H, P*T, D] float32.
+
+    Entries of the page table past a row's n_pages are garbage (maybe out of range), so
+    they are replaced by page 0 before the gather; the caller masks those tokens.
+    """
+    p_max = int(n_pages.max())
+    cols = torch.arange(p_max, device=page_table.device)
+    ids = torch.where(cols < n_pages[:, None], page_table[:, :p_max], 0).long()
+    x = codec.decode({name: f[ids] for name, f in pages.items()})  # [B, P, H, T, D]
+    b, p, h, t, d = x.shape
+    return x.permute(0, 2, 1, 3, 4).reshape(b, h, p * t, d)
+
+
+def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[str, Tensor],
+                     page_table: Tensor, n_pages: Tensor,
+                     sink_k: Tensor, sink_v: Tensor, n_sink: Tensor,
+                     recent_k: Tensor, recent_v: Tensor, n_recent: Tensor,
+                     scale: float, *, slots: Tensor | None = None, window: int | None = None,
+                     return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of q over the three tiers of every batch row (see the spec's signature).
+
+    slots: batch row b reads row slots[b] of the page table and the sink/recent buffers
+    (None = row b itself). window: a sliding window (Mistral): a stored token at position p
+    is visible to a query at position qpos only while qpos - p < window. return_lse: also
+    return the log-sum-exp of each query's logits over the stored tokens, so a caller can
+    merge in attention over tokens that are not stored yet.
+
+    q is [B, Hq, D] for one decode step, or [B, Hq, T, D] for T queries that all see every
+    stored token (teacher-forced blocks). KV head h serves q heads h*G .. h*G+G-1 (GQA).
+    Pages are in fmt's rotated domain when fmt.rotated: q is rotated for them and their
+    partial output rotated back before the merge. Computed in float32, returned in q.dtype.
+    """
+    single = q.dim() == 3
+    q4 = q[:, :, None] if single else q
+    B, Hq, T, D = q4.shape
+    if slots is not None:
+        rows = slots.long()
+        page_table, sink_k, sink_v, recent_k, recent_v = (
+            t[rows] for t in (page_table, sink_k, sink_v, recent_k, recent_v))
+    H = sink_k.shape[1]
+    G = Hq // H
+    # [B, H, G*T, D]: the q heads of one KV head are just more query rows for it.
+    qf = q4.float().reshape(B, H, G * T, D) * scale
+    # Query positions for the sliding window: the stored tokens precede the queries; in a
+    # decode step (single) the query's own token is already the last stored one.
+    stored = n_sink + n_pages * PAGE_TOKENS + n_recent
+    qpos = stored[:, None] - 1 if single else stored[:, None] + torch.arange(T, device=q.device)
+
+    def visible(pos: Tensor, n: Tensor) -> Tensor:
+        """[B, G*T, N] mask of stored positions pos [B, N] (the first n[b] of each row) per query."""
+        ok = (torch.arange(pos.shape[1], device=q.device) < n[:, None])[:, None, :]
+        if window is not None:
+            ok = ok & (qpos[:, :, None] - pos[:, None, :] < window)
+        return ok.expand(B, T, pos.shape[1]).repeat(1, G, 1)
+
+    def dense(k: Tensor, v: Tensor, n: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
+        pos = first[:, None] + torch.arange(k.shape[2], device=q.device)
+        return partial_attention(qf, k.float(), v.float(), visible(pos, n))
+
+    zero = torch.zeros_like(n_sink)
+    parts = [dense(sink_k, sink_v, n_sink, zero),
+             dense(recent_k, recent_v, n_recent, n_sink + n_pages * PAGE_TOKENS)]
+    if page_table.shape[1] > 0 and int(n_pages.max()) > 0:
+        k = gather_pages(fmt.k, k_pages, page_table, n_pages)
+        v = gather_pages(fmt.v, v_pages, page_table, n_pages)
+        pos = n_sink[:, None] + torch.arange(k.shape[2], device=q.device)
+        o, lse = partial_attention(fmt.rotate(qf), k, v, visible(pos, n_pages * PAGE_TOKENS))
+        parts.append((fmt.unrotate(o), lse))
+    o, lse = merge_partials(parts, with_lse=True)
+    o = o.reshape(B, Hq, T, D).to(q.dtype)
+    lse = lse.reshape(B, Hq, T)
+    if single:
+        o, lse = o[:, :, 0], lse[:, :, 0]
+    return (o, lse) if return_lse else o
+
+
+
+def encode_pages_reference(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor) -> None:
+    """Encode N tiles x [N, H, T, D] with the torch codec and write them to pool pages page_ids [N]."""
+    fields = codec.encode(x)
+    for name, dst in pool_fields.items():
+        dst[page_ids.long()] = fields[name].to(dst.dtype)

@@ -1,0 +1,264 @@
+"""Kernels against their oracles.
+
+- kernels/reference.py (the torch tiered attention) against a naive per-row softmax over the
+  concatenated, decoded tokens of every tier;
+- the Triton attention and encode kernels against the torch reference on fresh random inputs:
+  every format, head dim 64 and 128, GQA groups 1, 4 and 7, lengths that are not multiples of
+  128, shuffled pool pages behind strided page-table and tier views, batch rows of very
+  different lengths, several queries per row, split-K with empty splits; every output and
+  workspace poisoned with NaN (attention) or garbage (pages) first.
+
+Without a GPU the kernels run under the Triton interpreter in float32 (relative error < 1e-3);
+with one they are compiled and fed fp16 operands (< 1e-2). TRITON_INTERPRET must be set
+before the kernel modules are imported, hence the order below.
+"""
+
+import os
+import zlib
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import quant  # noqa: E402
+from quant.kvmix import kvmix_format  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import attention, quantize, reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPE = torch.float16 if CUDA else torch.float32  # q / dot operand type
+TOL = 1e-2 if CUDA else 1e-3
+T = quant.PAGE_TOKENS
+SINK = 32
+
+
+def get_format(name: str) -> quant.KVFormat:
+    """A preset, or 'kvmix:KvV' for one KVmix layer with K bits K and V bits V, or 'preset:opt=val'."""
+    if name.startswith("kvmix:"):
+        k_bits, v_bits = name[6:].split("v")
+        plan = {"layers": [{"k_bits": int(k_bits), "v_bits": int(v_bits), "window_ratio": 0.1}]}
+        return kvmix_format("kvmix", plan).for_layer(0)
+    if ":" in name:
+        preset, opt = name.split(":")
+        key, value = opt.split("=")
+        return quant.get_format(preset, **{key: int(value) if value.isdigit() else value})
+    return quant.get_format(name)
+
+
+def random_tiles(n: int, heads: int, head_dim: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, H, T, D] with per-channel scales and offsets, like keys with outlier channels."""
+    x = torch.randn(n, heads, T, head_dim, generator=gen)
+    return x * (0.2 + 3 * torch.rand(head_dim, generator=gen)) + torch.randn(head_dim, generator=gen)
+
+
+def make_cache(fmt, heads: int, head_dim: int, n_sink: list[int], n_pages: list[int], n_recent: list[int],
+               gen: torch.Generator, slots: bool = False) -> dict:
+    """Tiers of a batch of rows: pages encoded with the torch codecs into a shuffled pool, a page
+    table (a strided view) whose unused entries are garbage, and sink/recent tiers as strided views.
+    slots: the rows live in shuffled slots of larger buffers (c["slots"][b] = slot of row b)."""
+    B, H, D = len(n_sink), heads, head_dim
+    n_rows = B + 2 if slots else B
+    slot_of = torch.randperm(n_rows, generator=gen)[:B] if slots else torch.arange(B)
+    n_pool = sum(n_pages) + 3
+    pool = torch.randperm(n_pool, generator=gen).int()  # page j of row b is a random pool page
+    cols = max(n_pages) + 2
+    table = torch.randint(-(2**20), 2**20, (n_rows, 2 * cols), generator=gen, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(n_pages):
+        table[slot_of[b], :n] = pool[used:used + n]
+        used += n
+    k_pages = {n: f.to(DEVICE) for n, f in fmt.k.encode(random_tiles(n_pool, H, D, gen)).items()}
+    v_pages = {n: f.to(DEVICE) for n, f in fmt.v.encode(random_tiles(n_pool, H, D, gen)).items()}
+    recent_cap = max(n_recent) + 5
+
+    def tier(length: int) -> torch.Tensor:  # [rows, H, length, D] view of a wider buffer
+        return torch.randn(n_rows, H, length + 7, D, generator=gen).half().to(DEVICE)[:, :, :length]
+
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    return dict(
+        fmt=fmt, k_pages=k_pages, v_pages=v_pages,
+        page_table=table.to(DEVICE)[:, :cols], n_pages=torch.tensor(n_pages, **i32),
+        sink_k=tier(SINK), sink_v=tier(SINK), n_sink=torch.tensor(n_sink, **i32),
+        recent_k=tier(recent_cap), recent_v=tier(recent_cap), n_recent=torch.tensor(n_recent, **i32),
+        slots=slot_of.to(DEVICE) if slots else None,
+    )
+
+
+def call(fn, q: torch.Tensor, c: dict, scale: float, **kw) -> torch.Tensor:
+    return fn(q, c["fmt"], c["k_pages"], c["v_pages"], c["page_table"], c["n_pages"], c["sink_k"], c["sink_v"],
+              c["n_sink"], c["recent_k"], c["recent_v"], c["n_recent"], scale, slots=c["slots"], **kw)
+
+
+# rows: (n_sink, n_pages, n_recent) per batch row: a short prompt living in the sink alone, a long
+# row, a row with pages but an empty recent tier; totals 13, 32+5*128+77, 32+2*128, ... not multiples of 128
+ROWS = {
+    "mixed": ([13, SINK, SINK], [0, 5, 2], [0, 77, 0]),
+    "long": ([SINK, SINK], [6, 1], [131, 200]),
+}
+
+# (format, head_dim, gqa group, queries per row, rows, kv heads, splits, extras): every format
+# once, the other axes spread over them so each value of each axis is hit. extras: rows in
+# shuffled slots, a sliding window (small enough to skip pages, mask the sink, or leave a query
+# of a block nothing stored to see), the log-sum-exp output.
+CASES = [
+    ("fp16", 64, 1, 1, "mixed", 2, None, ""),
+    ("fp16", 128, 4, 2, "mixed", 2, 2, "slots,window=150,lse"),
+    ("kivi-k2v2", 128, 4, 1, "mixed", 2, 3, ""),
+    ("kivi-k2v2", 64, 4, 1, "long", 2, 3, "slots"),
+    ("kivi-k4v4", 64, 7, 1, "long", 2, None, ""),
+    ("kivi-k4v4", 64, 4, 3, "mixed", 2, None, "window=2,lse"),
+    ("kivi-k2v2:v_group=16", 64, 4, 1, "mixed", 1, 2, ""),
+    ("kitty", 128, 7, 3, "mixed", 2, 4, ""),
+    ("kitty", 64, 1, 3, "long", 2, 2, "window=300,lse"),
+    ("kitty-pro", 64, 4, 1, "long", 2, 3, ""),
+    ("kvarn", 128, 1, 1, "mixed", 2, 2, ""),
+    ("kvarn", 64, 4, 1, "long", 2, 3, "window=700"),
+    ("kvarn-k4v2", 64, 4, 2, "long", 2, None, ""),
+    ("nqkv", 64, 7, 1, "mixed", 3, 3, ""),  # H*D = 192: each NF4 block spans the 3 heads
+    ("nqkv:block=32", 64, 1, 1, "long", 2, None, ""),  # blocks narrower than a head
+    ("kvmix:3v3", 64, 4, 1, "mixed", 2, 3, ""),
+    ("kvmix:2v4", 128, 1, 1, "long", 1, None, ""),
+    ("kvmix:4v3", 64, 7, 2, "long", 2, 2, ""),
+    ("kitty-pro", 64, 7, 11, "mixed", 1, 2, "window=60,lse"),  # 77 q rows per kv head: two row blocks
+]
+
+
+@pytest.mark.parametrize("name,queries,window", [("kivi-k2v2", 1, None), ("kvarn", 3, None), ("kitty", 3, 200),
+                                                 ("fp16", 1, 300)])
+def test_reference_matches_naive_attention(name: str, queries: int, window: int | None):
+    """Per row: decode the pages, concatenate all tiers in position order, plain softmax (GQA by
+    repeating K/V heads; the window masks positions by distance to each query's position)."""
+    gen = torch.Generator().manual_seed(1)
+    fmt, H, G, D = get_format(name), 2, 3, 64
+    n_sink, n_pages, n_recent = ROWS["mixed"]
+    c = make_cache(fmt, H, D, n_sink, n_pages, n_recent, gen)
+    q = torch.randn(len(n_sink), H * G, queries, D, generator=gen).to(DEVICE)
+    out = call(reference.decode_attention, q[:, :, 0] if queries == 1 else q, c, 0.125, window=window)
+    for b in range(len(n_sink)):
+        ids = c["page_table"][b, : n_pages[b]].long()
+        # decoded pages back in the original domain (KVarN stores x @ Hd), in position order
+        k_pg, v_pg = (fmt.unrotate(codec.decode({n: f[ids] for n, f in pages.items()})).transpose(0, 1)
+                      for codec, pages in ((fmt.k, c["k_pages"]), (fmt.v, c["v_pages"])))
+        k_pg, v_pg = k_pg.reshape(H, -1, D), v_pg.reshape(H, -1, D)
+        k = torch.cat((c["sink_k"][b, :, : n_sink[b]].float(), k_pg, c["recent_k"][b, :, : n_recent[b]].float()), 1)
+        v = torch.cat((c["sink_v"][b, :, : n_sink[b]].float(), v_pg, c["recent_v"][b, :, : n_recent[b]].float()), 1)
+        k, v = k.repeat_interleave(G, 0), v.repeat_interleave(G, 0)
+        logits = q[b] @ k.transpose(-1, -2) * 0.125
+        if window is not None:  # a decode step's query is the last stored token; a block's follow them
+            q_pos = torch.arange(queries, device=DEVICE) + (k.shape[1] - 1 if queries == 1 else k.shape[1])
+            distance = q_pos[:, None] - torch.arange(k.shape[1], device=DEVICE)
+            logits = logits.masked_fill(distance >= window, float("-inf"))
+        want = torch.softmax(logits, -1) @ v
+        torch.testing.assert_close(out[b] if queries > 1 else out[b, :, None], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,head_dim,group,queries,rows,heads,splits,extras", CASES,
+                         ids=[f"{c[0]}-{c[7]}" if c[7] else c[0] for c in CASES])
+def test_triton_attention_matches_reference(name, head_dim, group, queries, rows, heads, splits, extras, monkeypatch):
+    gen = torch.Generator().manual_seed(zlib.crc32((name + extras).encode()))
+    opts = dict(e.split("=") if "=" in e else (e, True) for e in extras.split(",") if e)
+    n_sink, n_pages, n_recent = ROWS[rows]
+    c = make_cache(get_format(name), heads, head_dim, n_sink, n_pages, n_recent, gen, slots="slots" in opts)
+    shape = (len(n_sink), heads * group) + ((queries,) if queries > 1 else ()) + (head_dim,)
+    q = torch.randn(shape, generator=gen).to(DEVICE, DTYPE)
+    if queries > 1:  # as the model hands it over: [B, T, Hq, D] transposed, not contiguous
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    kw = dict(window=int(opts["window"]) if "window" in opts else None, return_lse="lse" in opts)
+    want = call(reference.decode_attention, q, c, head_dim**-0.5, **kw)
+    # poison every buffer the kernels write: an element they skip shows up as NaN
+    monkeypatch.setattr(attention, "_scratch", lambda shape, device: torch.full(shape, float("nan"), device=device))
+    # a single query: into a given (poisoned) buffer; a block: the kernel allocates the result itself
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE) if queries == 1 else None
+    got = call(attention.decode_attention, q, c, head_dim**-0.5, out=out, num_splits=splits, **kw)
+    if kw["return_lse"]:
+        (got, lse), (want, want_lse) = got, want
+        torch.testing.assert_close(lse, want_lse, rtol=TOL, atol=TOL)
+    assert out is None or got is out
+    want = want.float()
+    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+    assert err < TOL, f"{name}: relative error {err:.2e}"
+
+
+def test_split_count_does_not_change_the_result():
+    gen = torch.Generator().manual_seed(7)
+    c = make_cache(get_format("kitty"), 2, 64, *ROWS["long"], gen)
+    q = torch.randn(2, 8, 64, generator=gen).to(DEVICE, DTYPE)
+    outs = [call(attention.decode_attention, q, c, 0.125, num_splits=s).float() for s in (1, 2, 7)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=TOL, atol=TOL)
+
+
+ENCODE_FORMATS = ["fp16", "kivi-k2v2", "kivi-k4v4", "kivi-k2v2:v_group=16", "kitty", "kitty-pro",
+                  "kitty:score=variance", "kvarn", "kvarn-k4v2", "nqkv", "nqkv:block=32", "kvmix:3v3", "kvmix:4v2"]
+
+
+@pytest.mark.parametrize("name", ENCODE_FORMATS)
+@pytest.mark.parametrize("side", ["k", "v"])
+def test_triton_encode_matches_reference(name: str, side: str):
+    """Pages written in place equal quant's torch encode bit for bit; KVarN (whose Sinkhorn
+    exp/log may round differently) is compared on decoded values instead."""
+    gen = torch.Generator().manual_seed(3)
+    fmt = get_format(name)
+    codec = getattr(fmt, side)
+    heads, head_dim = (3, 64) if name.startswith("nqkv") else (2, 128 if "kitty" in name else 64)
+    n_pool, n = 9, 4
+    # tiles as a strided view (the oldest T tokens of a wider recent buffer), fp16 as the cache holds them
+    x = random_tiles(n, heads, head_dim, gen).half()
+    x = torch.cat((x, x[:, :, :9]), 2).to(DEVICE)[:, :, :T]
+    page_ids = torch.randperm(n_pool, generator=gen)[:n].int().to(DEVICE)
+    specs = codec.field_specs(heads, head_dim)
+
+    def poisoned_pool() -> dict[str, torch.Tensor]:
+        return {f: torch.randint(0, 120, (n_pool, *shape), generator=gen).to(dtype).to(DEVICE)
+                for f, (shape, dtype) in specs.items()}
+
+    want = poisoned_pool()
+    got = {f: t.clone() for f, t in want.items()}  # the same garbage outside the written pages
+    reference.encode_pages_reference(codec, x, want, page_ids)
+    quantize.encode_pages(codec, x, got, page_ids)
+    if codec.kind != "kvarn":
+        for f in specs:
+            where = (got[f] != want[f]).nonzero().tolist()[:8]
+            assert torch.equal(got[f], want[f]), f"{name} {side}: field {f} differs at {where}"
+        return
+    for f in specs:  # untouched pages stay untouched
+        keep = torch.ones(n_pool, dtype=torch.bool, device=DEVICE)
+        keep[page_ids.long()] = False
+        assert torch.equal(got[f][keep], want[f][keep])
+    ids = page_ids.long()
+    dec_got = codec.decode({f: t[ids] for f, t in got.items()})
+    dec_want = codec.decode({f: t[ids] for f, t in want.items()})
+    truth = quant.kvarn.fwht(x.float())
+    err_got, err_want = (dec_got - truth).pow(2).mean(), (dec_want - truth).pow(2).mean()
+    assert err_got < 1.05 * err_want, f"{name} {side}: reconstruction mse {err_got:.4g} vs reference {err_want:.4g}"
+    close = (dec_got - dec_want).abs() <= 1e-3 * truth.abs().max()
+    assert close.float().mean() > 0.95, f"{name} {side}: only {close.float().mean():.3f} of decoded values agree"
+
+
+def test_encode_then_attend_end_to_end():
+    """Triton-encoded pages read by the Triton attention = torch-encoded pages read by the reference."""
+    gen = torch.Generator().manual_seed(5)
+    fmt, H, D = get_format("kitty"), 2, 64
+    c = make_cache(fmt, H, D, [SINK, SINK], [2, 1], [40, 3], gen)
+    tiles = random_tiles(3, H, D, gen).to(DEVICE)
+    ids = c["page_table"][:, :2].flatten()[:3].contiguous()
+    q = torch.randn(2, 4 * H, D, generator=gen).to(DEVICE, DTYPE)
+    for side in ("k", "v"):
+        kernels.encode_pages(getattr(fmt, side), tiles, c[f"{side}_pages"], ids, backend="triton")
+    got = call(kernels.decode_attention, q, c, 0.125, backend="triton").float()
+    for side in ("k", "v"):
+        kernels.encode_pages(getattr(fmt, side), tiles, c[f"{side}_pages"], ids, backend="torch")
+    want = call(kernels.decode_attention, q, c, 0.125, backend="torch").float()
+    assert ((got - want).abs().max() / want.abs().max()).item() < TOL
+
+
+def test_backend_choice():
+    assert kernels.pick_backend(torch.device("cpu")) == "torch"
+    assert kernels.pick_backend(torch.device("cuda")) == "triton"
+    assert kernels.pick_backend(torch.device("cpu"), "triton") == "triton"
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        kernels.pick_backend(torch.device("cpu"), "cuda")
