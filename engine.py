@@ -70,6 +70,7 @@ class LLM:
         window: int = 128,
         kv_plan: str | None = None,
         kernels: str = "auto",
+        cuda_graphs: bool = True,
         allow_pickle: bool = False,
         progress: bool = True,
         loaded: tuple | None = None,
@@ -104,6 +105,8 @@ class LLM:
             kv_plan=kv_plan,
             backend=kernels,
         )
+        use_graphs = cuda_graphs and self.device.type == "cuda" and kernels != "torch"
+        self.graphs = DecodeGraphs(self.model, self.cache, max_batch) if use_graphs else None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -187,10 +190,15 @@ class LLM:
 
     def _decode(self, reqs: list[Request]) -> None:
         t0 = time.perf_counter()
-        ids = torch.tensor([[r.output_ids[-1]] for r in reqs], device=self.device)
-        positions = torch.tensor([[len(r.prompt_ids) + len(r.output_ids) - 1] for r in reqs], device=self.device)
-        self.cache.begin_step([r.slot for r in reqs], 1)
-        logits = self.model(ids, positions, cache=self.cache)[:, -1]
+        ids = [r.output_ids[-1] for r in reqs]
+        positions = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs]
+        slots = [r.slot for r in reqs]
+        if self.graphs:
+            logits = self.graphs.run(ids, positions, slots)
+        else:
+            self.cache.begin_step(slots, 1)
+            logits = self.model(torch.tensor(ids, device=self.device)[:, None],
+                                torch.tensor(positions, device=self.device)[:, None], cache=self.cache)[:, -1]
         self.cache.end_step()
         tokens = sample(logits, reqs)
         self.timing["decode_s"] += time.perf_counter() - t0
@@ -250,6 +258,50 @@ class LLM:
     def kv_stats(self) -> dict:
         """Bytes held by each KV tier, per layer and in total, and bits per cached element."""
         return self.cache.kv_stats()
+
+
+class DecodeGraphs:
+    """One CUDA graph per batch-size bucket for the decode forward, so a step is one replay
+    instead of hundreds of kernel launches from Python. The graph reads its inputs from fixed
+    buffers: token ids and positions here, slots and tier counts in the cache (begin_step
+    refreshes them); a batch smaller than its bucket is padded with the cache's scratch slot."""
+
+    def __init__(self, model: torch.nn.Module, cache, max_batch: int):
+        self.model, self.cache = model, cache
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
+        device = cache.device
+        self.ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def _capture(self, rows: int) -> None:
+        self.cache.begin_step([], 1, rows=rows)  # every row on the scratch slot
+        args = (self.ids[:rows], self.positions[:rows])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels
+            for _ in range(2):
+                self.model(*args, cache=self.cache)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model(*args, cache=self.cache)[:, -1]
+        self.pool = graph.pool()
+        self.graphs[rows] = (graph, logits)
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """Logits [B, V] of one decode step; the caller ends the cache's step."""
+        B = len(ids)
+        rows = next(b for b in self.buckets if b >= B)
+        if rows not in self.graphs:
+            self._capture(rows)
+        self.ids[:B, 0].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:B, 0].copy_(torch.tensor(positions), non_blocking=True)
+        self.cache.begin_step(slots, 1, rows=rows)
+        graph, logits = self.graphs[rows]
+        graph.replay()
+        return logits[:B]
 
 
 def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
@@ -314,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight/activation dtype (default: float32 on CPU, float16 on CUDA)")
     g.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto",
                    help="attention/quantize kernels: Triton on CUDA, torch reference elsewhere (default auto)")
+    g.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps (debugging)")
     g.add_argument("--allow-pickle", action="store_true",
                    help="allow loading pickle .bin checkpoints (with torch.load weights_only=True)")
     s = shared.add_argument_group("sampling")
@@ -347,7 +400,7 @@ def llm_from_args(args) -> LLM:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     return LLM(args.model, kv=args.kv, device=args.device, dtype=dtype, kv_budget_gb=args.kv_budget_gb,
                max_batch=args.max_batch, sink=args.sink, window=args.window, kv_plan=args.kv_plan,
-               kernels=args.kernels, allow_pickle=args.allow_pickle)
+               kernels=args.kernels, cuda_graphs=not args.eager, allow_pickle=args.allow_pickle)
 
 
 def sampling_from_args(args) -> SamplingParams:

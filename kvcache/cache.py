@@ -41,7 +41,8 @@ class KVCache:
         window: int = 128,
         max_seqs: int = 8,
         max_seq_len: int = 4096,
-        budget_bytes: int,
+        budget_bytes: int | None = None,
+        num_pages: int | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         sliding_window: int | None = None,
@@ -53,7 +54,7 @@ class KVCache:
         if kv.endswith("-nosink"):  # e.g. KIVI as published: no full-precision sink tokens
             sink = 0
         self.formats = [fmt.for_layer(i) for i in range(n_layers)]
-        self.windows = [_layer_window(f, window) for f in self.formats]
+        self.windows = _layer_windows(fmt, window, n_layers)
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.sink, self.max_seqs, self.max_seq_len = sink, max_seqs, max_seq_len
         self.sliding_window = sliding_window
@@ -61,26 +62,36 @@ class KVCache:
         self.backend = None if backend == "auto" else backend
 
         dense_tokens = sink + max(self.windows) + PAGE
-        self.dense_bytes = n_layers * 2 * max_seqs * n_kv_heads * dense_tokens * head_dim * dtype.itemsize
+        self.dense_bytes = (max_seqs + 1) * slot_bytes(n_layers, n_kv_heads, head_dim, sink, max(self.windows), dtype)
         self.page_bytes = sum(f.page_bytes(n_kv_heads, head_dim) for f in self.formats)
-        if budget_bytes < self.dense_bytes:
-            raise ValueError(
-                f"a KV budget of {budget_bytes / 2**30:.2f} GiB cannot even hold the full-precision sink and "
-                f"recent tiers of {max_seqs} sequences ({self.dense_bytes / 2**30:.2f} GiB): raise --kv-budget-gb "
-                "or lower --max-batch"
-            )
-        num_pages = (budget_bytes - self.dense_bytes) // self.page_bytes
+        if num_pages is None:
+            if budget_bytes < self.dense_bytes:
+                raise ValueError(
+                    f"a KV budget of {budget_bytes / 2**30:.2f} GiB cannot even hold the full-precision sink and "
+                    f"recent tiers of {max_seqs} sequences ({self.dense_bytes / 2**30:.2f} GiB): raise --kv-budget-gb "
+                    "or lower --max-batch"
+                )
+            num_pages = (budget_bytes - self.dense_bytes) // self.page_bytes
         self.pool = PagePool(num_pages)
 
-        shape = (max_seqs, n_kv_heads, dense_tokens, head_dim)
+        # Row max_seqs of the dense buffers and the page table is a scratch slot: padding rows
+        # of a CUDA-graph batch bucket write there, never into a live sequence.
+        self.scratch_slot = max_seqs
+        shape = (max_seqs + 1, n_kv_heads, dense_tokens, head_dim)
         self.dense_k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
         self.dense_v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
         self.k_pages = [_alloc_fields(f.k, num_pages, n_kv_heads, head_dim, self.device) for f in self.formats]
         self.v_pages = [_alloc_fields(f.v, num_pages, n_kv_heads, head_dim, self.device) for f in self.formats]
         self.max_pages_per_seq = self.pages_needed(max_seq_len)
-        self.page_table = torch.zeros(max_seqs, max(1, self.max_pages_per_seq), dtype=torch.int32, device=self.device)
+        self.page_table = torch.zeros(max_seqs + 1, max(1, self.max_pages_per_seq), dtype=torch.int32, device=self.device)
+        # Per-step inputs of the attention live in fixed buffers, so that a captured CUDA graph
+        # replays a decode step once begin_step has refreshed them.
+        self._window_row = {R: i for i, R in enumerate(sorted(set(self.windows)))}
+        self._step_slots = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
+        self._step_counts = torch.zeros(len(self._window_row), 4, max_seqs, dtype=torch.int32, device=self.device)
 
         self.lengths = [0] * max_seqs  # tokens stored per slot; host-side so no step waits on the GPU
+        self._reserved = [0] * max_seqs  # tokens each slot was admitted for
         self._pages: list[list[int] | None] = [None] * max_seqs  # reserved page ids per slot; None = free slot
         self._step: _Step | None = None
 
@@ -88,7 +99,7 @@ class KVCache:
 
     def pages_needed(self, n_tokens: int) -> int:
         """Pages a sequence of n_tokens occupies at most (the layer with the shortest window)."""
-        return max(0, (n_tokens - self.sink - min(self.windows)) // PAGE)
+        return pages_for(n_tokens, self.sink, min(self.windows))
 
     def can_ever_fit(self, n_tokens: int) -> bool:
         return self.pages_needed(n_tokens) <= self.pool.num_pages
@@ -104,6 +115,7 @@ class KVCache:
         if pages is None:
             return None
         self._pages[slot] = pages
+        self._reserved[slot] = max_tokens
         if pages:
             self.page_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         self.lengths[slot] = 0
@@ -121,12 +133,23 @@ class KVCache:
 
     # ---- one forward -----------------------------------------------------------------------
 
-    def begin_step(self, slots: list[int], n_new: int) -> None:
-        """The next forward feeds n_new tokens to each of these slots (1 = a decode step)."""
+    def begin_step(self, slots: list[int], n_new: int, rows: int | None = None) -> None:
+        """The next forward feeds n_new tokens to each of these slots (1 = a decode step).
+        rows > len(slots) pads the batch with scratch rows (CUDA-graph batch buckets)."""
         for s in slots:
-            if self.lengths[s] + n_new > self.max_seq_len:
-                raise ValueError(f"slot {s} would exceed max_seq_len {self.max_seq_len}")
-        self._step = _Step(self, slots, n_new)
+            if self.lengths[s] + n_new > self._reserved[s]:
+                raise ValueError(f"slot {s} was admitted for {self._reserved[s]} tokens; "
+                                 f"{self.lengths[s] + n_new} would overflow its reserved pages")
+        rows = rows or len(slots)
+        padded = slots + [self.scratch_slot] * (rows - len(slots))
+        lengths = [self.lengths[s] for s in slots] + [0] * (rows - len(slots))
+        host = torch.empty(1 + 4 * len(self._window_row), rows, dtype=torch.int64)
+        host[0] = torch.tensor(padded)
+        for R, i in self._window_row.items():
+            host[1 + 4 * i: 5 + 4 * i] = torch.tensor([_step_counts(L, self.sink, R, n_new) for L in lengths]).T
+        self._step_slots[:rows].copy_(host[0], non_blocking=True)
+        self._step_counts[:, :, :rows].copy_(host[1:].view(-1, 4, rows), non_blocking=True)
+        self._step = _Step(slots, n_new, self._step_slots[:rows], self._step_counts[:, :, :rows])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of q [B, Hq, T, D] over everything stored for these rows plus the new k, v
@@ -134,17 +157,17 @@ class KVCache:
         step = self._step
         scale = q.shape[-1] ** -0.5
         fmt = self.formats[layer]
+        c = step.counts[self._window_row[self.windows[layer]]]
         if step.n_new == 1:
             # The kernels read the new token from the recent tier, so it is written first.
-            c = step.counts(layer, written=1)
-            self.dense_k[layer][step.slots_t, :, c.write_idx] = k[:, :, 0].to(self.dtype)
-            self.dense_v[layer][step.slots_t, :, c.write_idx] = v[:, :, 0].to(self.dtype)
+            write_idx = c[0].long()
+            self.dense_k[layer][step.slots_t, :, write_idx] = k[:, :, 0].to(self.dtype)
+            self.dense_v[layer][step.slots_t, :, write_idx] = v[:, :, 0].to(self.dtype)
             o = self._decode_attention(layer, fmt, q[:, :, 0], c, scale)
             return o[:, :, None].to(q.dtype)
         step.pending[layer] = (k, v)
         if not any(self.lengths[s] for s in step.slots):
             return _self_attention(q, k, v, self.sliding_window)
-        c = step.counts(layer, written=0)
         o_old, lse_old = self._decode_attention(layer, fmt, q, c, scale, return_lse=True)
         o_new, lse_new = _self_attention(q, k, v, self.sliding_window, with_lse=True)
         return kernels.merge_partials([(o_old, lse_old), (o_new.float(), lse_new)]).to(q.dtype)
@@ -153,8 +176,8 @@ class KVCache:
         S = self.sink
         dk, dv = self.dense_k[layer], self.dense_v[layer]
         return kernels.decode_attention(
-            q, fmt, self.k_pages[layer], self.v_pages[layer], self.page_table, c.n_pages,
-            dk[:, :, :S], dv[:, :, :S], c.n_sink, dk[:, :, S:], dv[:, :, S:], c.n_recent, scale,
+            q, fmt, self.k_pages[layer], self.v_pages[layer], self.page_table, c[2],
+            dk[:, :, :S], dv[:, :, :S], c[1], dk[:, :, S:], dv[:, :, S:], c[3], scale,
             slots=self._step.slots_t, window=self.sliding_window, return_lse=return_lse, backend=self.backend,
         )
 
@@ -249,47 +272,50 @@ class KVCache:
 
 
 class _Step:
-    """Per-forward bookkeeping: which slots, and the tier counts each layer's window implies."""
+    """One forward's rows: slots (host list and device view) and, per distinct window, the
+    device view of [write index, sink, pages, recent] counts of each row."""
 
-    def __init__(self, cache: KVCache, slots: list[int], n_new: int):
-        self.cache, self.slots, self.n_new = cache, slots, n_new
-        self.slots_t = torch.tensor(slots, device=cache.device)
+    def __init__(self, slots: list[int], n_new: int, slots_t: torch.Tensor, counts: torch.Tensor):
+        self.slots, self.n_new, self.slots_t, self.counts = slots, n_new, slots_t, counts
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._counts: dict[tuple[int, int], _Counts] = {}
-
-    def counts(self, layer: int, written: int) -> "_Counts":
-        R = self.cache.windows[layer]
-        key = (R, written)
-        if key not in self._counts:
-            S, dev = self.cache.sink, self.cache.device
-            rows = []
-            for s in self.slots:
-                L = self.cache.lengths[s]
-                n_sink, n_pages, n_recent = _tier_counts(L, S, R)
-                # The new token (decode) goes to the sink until it is full, else after the recent tier.
-                write_idx = L if L < S else S + n_recent
-                if written:
-                    n_sink, n_recent = (n_sink + 1, n_recent) if L < S else (n_sink, n_recent + 1)
-                rows.append((write_idx, n_sink, n_pages, n_recent))
-            t = torch.tensor(rows, dtype=torch.int32, device=dev).T
-            self._counts[key] = _Counts(t[0].long(), t[1], t[2], t[3])
-        return self._counts[key]
 
 
-class _Counts:
-    def __init__(self, write_idx, n_sink, n_pages, n_recent):
-        self.write_idx, self.n_sink, self.n_pages, self.n_recent = write_idx, n_sink, n_pages, n_recent
+def _step_counts(length: int, sink: int, window: int, n_new: int) -> tuple[int, int, int, int]:
+    """(write index, sink, pages, recent) the attention of a step sees for a row of `length`
+    stored tokens. A decode step's token (n_new == 1) is written before the attention: into the
+    sink while it has room, else after the recent tier; a block's tokens are not stored yet."""
+    n_sink, n_pages, n_recent = _tier_counts(length, sink, window)
+    write_idx = length if length < sink else sink + n_recent
+    if n_new == 1:
+        n_sink, n_recent = (n_sink + 1, n_recent) if length < sink else (n_sink, n_recent + 1)
+    return write_idx, n_sink, n_pages, n_recent
+
+
+def pages_for(n_tokens: int, sink: int, window: int) -> int:
+    """Pages a sequence of n_tokens holds once flushed: everything past the sink and the window,
+    in whole pages."""
+    return max(0, (n_tokens - sink - window) // PAGE)
+
+
+def slot_bytes(n_layers: int, n_kv_heads: int, head_dim: int, sink: int, window: int, dtype: torch.dtype) -> int:
+    """Bytes of one sequence slot's full-precision sink and recent buffers, K and V, all layers."""
+    return n_layers * 2 * n_kv_heads * (sink + window + PAGE) * head_dim * dtype.itemsize
 
 
 def _tier_counts(length: int, sink: int, window: int) -> tuple[int, int, int]:
     """(sink, page, recent) token counts of a flushed sequence of `length` tokens."""
     n_sink = min(length, sink)
-    n_pages = max(0, (length - sink - window) // PAGE)
+    n_pages = pages_for(length, sink, window)
     return n_sink, n_pages, length - n_sink - n_pages * PAGE
 
 
-def _layer_window(fmt, default: int) -> int:
-    return getattr(fmt, "window", None) or default
+def _layer_windows(fmt, window: int, n_layers: int) -> list[int]:
+    """The recent window of each layer. KVmix gives layers a share of full-precision tokens in
+    proportion to their importance: we scale R by each layer's window ratio over the smallest."""
+    if not hasattr(fmt, "window_ratio"):
+        return [window] * n_layers
+    ratios = [fmt.window_ratio(i) for i in range(n_layers)]
+    return [round(window * r / min(ratios)) for r in ratios]
 
 
 def _alloc_fields(codec, num_pages: int, heads: int, head_dim: int, device) -> dict[str, torch.Tensor]:

