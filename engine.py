@@ -246,6 +246,10 @@ class LLM:
                  on_text: Callable[[Request, str], None] | None = None, progress: bool = False) -> list[Request]:
         """Run prompts to completion as one continuously batched workload; results in prompt order."""
         reqs = [self.add_request(p, params, on_text) for p in prompts]
+        return self.run(reqs, progress)
+
+    def run(self, reqs: list[Request], progress: bool = False) -> list[Request]:
+        """Step until every queued request has finished; returns reqs."""
         bar = _progress(len(reqs), progress)
         while self.has_work():
             done = self.step()
@@ -363,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-batch", type=int, default=16, help="most sequences decoded at once (default 16)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="weight/activation dtype (default: float32 on CPU, float16 on CUDA)")
+                   help="weight/activation dtype (default: float32 on CPU, bfloat16 on CUDA where supported)")
     g.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto",
                    help="attention/quantize kernels: Triton on CUDA, torch reference elsewhere (default auto)")
     g.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps (debugging)")
@@ -416,11 +420,13 @@ def cmd_generate(args) -> None:
                    for p in prompts]
     params = sampling_from_args(args)
     if len(prompts) == 1:
+        req = llm.add_request(prompts[0], params, on_text=lambda r, t: print(t, end="", flush=True))
         print(args.prompts[0], end="", flush=True)
-        llm.generate(prompts, params, on_text=lambda r, t: print(t, end="", flush=True))
+        llm.run([req])
         print()
         return
-    for prompt, req in zip(args.prompts, llm.generate(prompts, params, progress=True)):
+    reqs = [llm.add_request(p, params) for p in prompts]  # all validated before any output
+    for prompt, req in zip(args.prompts, llm.run(reqs, progress=True)):
         print(f"--- {prompt!r} [{req.finish_reason}, {len(req.output_ids)} tokens]\n{prompt}{req.text}\n")
 
 
