@@ -442,18 +442,24 @@ def cmd_kernels(args) -> None:
     bytes, bandwidth against the copy ceiling, speedups; then the encode cost of one flush."""
     from kernels import bench as kbench
 
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     rows = kbench.kernel_table(kvs=_methods(args.kv), batches=_ints(args.batch), contexts=_ints(args.ctx),
-                               q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
+                               q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                               variants=variants, encode=not args.no_encode)
     device = torch.cuda.get_device_name()
     for r in rows:
         r.update(bench="kernels", device=device)
     attention = [r for r in rows if "ms_per_flush" not in r]
     encode = [r for r in rows if "ms_per_flush" in r]
     print(f"device: {device}")
-    emit(attention, ["kv", "batch", "context", "ms", "ms_eager", "bytes", "bytes_per_s", "copy_fraction",
+    emit(attention, ["kv", "variant", "batch", "context", "ms", "ms_eager", "bytes", "bytes_per_s", "copy_fraction",
                      "vs_fp16", "vs_sdpa", "sdpa_ms"], args.json)
-    print()
-    emit(encode, ["kv", "batch", "ms_per_flush"], args.json)
+    for r in attention:
+        if r.get("error"):
+            print(f"{r['kv']} {r['variant']} batch {r['batch']} ctx {r['context']}: {r['error']}")
+    if encode:
+        print()
+        emit(encode, ["kv", "batch", "ms_per_flush"], args.json)
 
 
 # ---- command line -----------------------------------------------------------------------------
@@ -509,6 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--q-heads", type=int, default=32)
     k.add_argument("--kv-heads", type=int, default=8)
     k.add_argument("--head-dim", type=int, default=128)
+    k.add_argument("--variants", default="auto",
+                   help="comma-separated kernel variants, timed side by side (kernels/bench.py VARIANTS: "
+                        "auto, mma, fma, fma-w8, fma-w8-t16, mma-w8)")
+    k.add_argument("--no-encode", action="store_true", help="skip the encode timings")
     return p
 
 

@@ -258,12 +258,18 @@ _HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
 def hf_name_to_ours(name: str) -> str | None:
     """Our parameter name for an HF checkpoint tensor name, None when there is none."""
     rest = re.sub(r"^(model\.)?(decoder\.)?", "", name)  # OPT: model.decoder.*, old exports: decoder.*
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", rest)
+    return _map_name(rest, r"layers\.(\d+)\.(.+)\.(weight|bias)", _HF_LAYER_MODULES, _HF_TOP_MODULES)
+
+
+def _map_name(name: str, layer_pattern: str, layer_modules: dict, top_modules: dict) -> str | None:
+    """Map a per-layer tensor (layer_pattern captures layer, module, weight|bias) or a top-level
+    one through the given module tables; None for tensors we have no parameter for."""
+    m = re.fullmatch(layer_pattern, name)
     if m:
-        module = _HF_LAYER_MODULES.get(m[2])
+        module = layer_modules.get(m[2])
         return f"layers.{m[1]}.{module}.{m[3]}" if module else None
-    m = re.fullmatch(r"(.+)\.(weight|bias)", rest)
-    module = _HF_TOP_MODULES.get(m[1]) if m else None
+    m = re.fullmatch(r"(.+)\.(weight|bias)", name)
+    module = top_modules.get(m[1]) if m else None
     return f"{module}.{m[2]}" if module else None
 
 
@@ -393,13 +399,7 @@ _GGUF_LAYER = {
 
 def gguf_name_to_ours(name: str) -> str | None:
     """Our parameter name for a GGUF tensor name (blk.N.attn_q.weight ...), None when there is none."""
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m:
-        module = _GGUF_LAYER.get(m[2])
-        return f"layers.{m[1]}.{module}.{m[3]}" if module else None
-    m = re.fullmatch(r"(\w+)\.(weight|bias)", name)
-    module = _GGUF_TOP.get(m[1]) if m else None
-    return f"{module}.{m[2]}" if module else None
+    return _map_name(name, r"blk\.(\d+)\.(\w+)\.(weight|bias)", _GGUF_LAYER, _GGUF_TOP)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -83,7 +83,27 @@ def _dequant(raw, SCALE, ZERO, MULT, LEVELS, page, h, t, d,
 
 
 @triton.jit
-def _online_softmax(s, v, m_i, l_i, acc):
+def _dot_nt(a, b, MMA: tl.constexpr):
+    """a [M, K] times b [N, K] transposed -> float32 [M, N]. MMA: tl.dot on tensor cores (operands in
+    the type the caller gave them); else CUDA-core FMAs on float32 registers, s = sum_k a[:, None, k] b[None, :, k]
+    (no M >= 16 padding, no conversion of the operands to dot layouts)."""
+    if MMA:
+        return tl.dot(a, tl.trans(b))
+    else:
+        return tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], 2)
+
+
+@triton.jit
+def _dot_nn(a, b, MMA: tl.constexpr):
+    """a [M, K] times b [K, N] -> float32 [M, N]; MMA as in _dot_nt (CUDA cores: sum_k a[:, k, None] b[None, k, :])."""
+    if MMA:
+        return tl.dot(a.to(b.dtype), b)
+    else:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, MMA: tl.constexpr):
     """Fold a block of base-2 logits s [M, N] and values v [N, D] into the running (m, l, acc).
     A row whose logits are all -inf so far (sliding window) keeps m = -inf, l = 0, acc = 0."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -91,7 +111,7 @@ def _online_softmax(s, v, m_i, l_i, acc):
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + _dot_nn(p, v, MMA)
     return m_new, l_i, acc
 
 
@@ -104,6 +124,7 @@ def _split_kernel(
     s_sink_b, s_sink_h, s_sink_t, s_rec_b, s_rec_h, s_rec_t,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, PAGE_T: tl.constexpr, BLOCK_T: tl.constexpr,
     ROTATED: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_MMA: tl.constexpr,
     K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
     K_S_HEAD: tl.constexpr, K_S_TOK: tl.constexpr, K_HDIV: tl.constexpr, K_GROUP: tl.constexpr,
     K_HAS_ZERO: tl.constexpr, K_MULT_KIND: tl.constexpr, K_NF4: tl.constexpr, K_N_HIGH: tl.constexpr,
@@ -115,7 +136,10 @@ def _split_kernel(
     split = tl.program_id(1)
     b = bh // H
     h = bh % H
-    dt = Q.dtype.element_ty  # tl.dot operand type: fp16 on the GPU path, fp32 for exact tests
+    if DOT_MMA:
+        dt = Q.dtype.element_ty  # tl.dot operand type: fp16 on the GPU path, fp32 for exact tests
+    else:
+        dt = tl.float32  # CUDA-core products: every operand stays in float32 registers
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's q rows of the kv head
     row_ok = rows < M
     d = tl.arange(0, D)
@@ -169,12 +193,12 @@ def _split_kernel(
                 k = _dequant(k_raw, K_SCALE, K_ZERO, K_MULT, LEVELS, page, h, t, d, H, D, PAGE_T,
                              K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP,
                              K_HAS_ZERO, K_MULT_KIND, K_NF4)
-                s = tl.dot(q, tl.trans(k.to(dt)))
+                s = _dot_nt(q, k.to(dt), DOT_MMA)
                 if K_N_HIGH > 0:
                     if K_ROWS != BLOCK_T:
                         hi_raw = _high_rows(K_HIGH, page, h, t % K_ROWS, r, H, K_ROWS, K_N_HIGH)
                     hi = (hi_raw.to(tl.int32) >> (2 * (t // K_ROWS))[:, None]) & 3
-                    s += tl.dot(q_hi, tl.trans(hi.to(dt)))
+                    s += _dot_nt(q_hi, hi.to(dt), DOT_MMA)
                 if HAS_WINDOW:
                     s = tl.where(q_pos[:, None] - (n_sink + p * PAGE_T + t)[None, :] < window, s, float("-inf"))
                 if V_ROWS != BLOCK_T:
@@ -182,9 +206,9 @@ def _split_kernel(
                 v = _dequant(v_raw, V_SCALE, V_ZERO, V_MULT, LEVELS, page, h, t, d, H, D, PAGE_T,
                              V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
                              V_HAS_ZERO, V_MULT_KIND, V_NF4)
-                m_i, l_i, acc = _online_softmax(s, v.to(dt), m_i, l_i, acc)
+                m_i, l_i, acc = _online_softmax(s, v.to(dt), m_i, l_i, acc, DOT_MMA)
         if ROTATED:  # back from the rotated domain (linear, so before normalizing is fine)
-            acc = tl.dot(acc, tl.load(UNROT + d[:, None] * D + d[None, :]))
+            acc = _dot_nn(acc, tl.load(UNROT + d[:, None] * D + d[None, :]), DOT_MMA)
     else:
         # FP16 tiers: split num_splits = sink, num_splits + 1 = recent
         q = (tl.load(Q + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale).to(dt)
@@ -208,9 +232,9 @@ def _split_kernel(
             seen = ok[None, :]
             if HAS_WINDOW:
                 seen = seen & (q_pos[:, None] - (first + t)[None, :] < window)
-            s = tl.where(seen, tl.dot(q, tl.trans(k)), float("-inf"))
+            s = tl.where(seen, _dot_nt(q, k, DOT_MMA), float("-inf"))
             v = tl.load(v_base + off, mask=ok[:, None], other=0.0).to(dt)
-            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc)
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_MMA)
     # an empty split (no pages in range, empty tier) writes o = 0, lse = -inf: it drops out of the merge
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -270,6 +294,17 @@ def _default_block(*layouts: Layout) -> int:
     return max(16, min(min(rows, default=64), 64))
 
 
+# q rows per kv head (GQA group times queries) up to which the products run on CUDA cores
+MMA_MIN_ROWS = 8
+
+
+def use_mma(m: int) -> bool:
+    """Tensor cores (tl.dot) for a tile of m q rows per kv head? Only past MMA_MIN_ROWS: a decode
+    step's 1..8 rows would be padded to 16 and its dequantized K/V converted to dot operand
+    layouts every block, which costs more than the products themselves."""
+    return m > MMA_MIN_ROWS
+
+
 def default_splits(n_cols: int, programs: int, device: torch.device) -> int:
     """Splits over a page table of n_cols columns: about 4 programs per SM (a program walks its
     pages one after the other, so more programs in flight hide more memory latency), but at
@@ -286,14 +321,21 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
                      recent_k: Tensor, recent_v: Tensor, n_recent: Tensor,
                      scale: float, *, slots: Tensor | None = None, window: int | None = None,
                      return_lse: bool = False, out: Tensor | None = None, num_splits: int | None = None,
-                     block_t: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                     block_t: int | None = None, mma: bool | None = None, block_m: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Triton version of kernels.reference.decode_attention (same arguments and results).
 
     q [B, Hq, D] or [B, Hq, T, D] (every query sees every stored token); slots, window,
     return_lse as in the reference. out: optional result buffer shaped like q (contiguous).
     num_splits: page splits per (row, kv head); default fills the GPU. block_t: tokens per
-    inner step (a power of 2 >= 16 dividing 128; default: the rows of the packed planes, so
-    that each plane is loaded once per page).
+    inner step (a power of 2 dividing 128, >= 16 with mma; default: the rows of the packed planes,
+    so that each plane is loaded once per page, at most 32 without mma).
+    mma: inner products on tensor cores (tl.dot, q rows padded to >= 16) or, False, as float32
+    broadcast-sums on CUDA cores (no padding, no operand layout conversions); default
+    (use_mma) tensor cores only for more than MMA_MIN_ROWS q rows per kv head, i.e. long query
+    blocks, CUDA cores for decode. block_m: q rows per program (a power of 2; default all of
+    them up to 64 with mma, 16 without). num_warps / num_stages: Triton launch options of the
+    split kernel (default: Triton's).
     """
     single = q.dim() == 3
     q4 = (q[:, :, None] if single else q).contiguous()
@@ -306,7 +348,14 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
         if a.stride() != b_.stride() or a.stride(-1) != 1:
             raise ValueError("sink/recent K and V views must share strides with a unit last stride")
     kl, vl = _layouts(fmt, H, D)
-    block_t = block_t or _default_block(kl, vl)
+    mma = use_mma(M) if mma is None else bool(mma)
+    block_t = block_t or (_default_block(kl, vl) if mma else min(32, _default_block(kl, vl)))
+    if block_t & (block_t - 1) or PAGE_TOKENS % block_t or (mma and block_t < 16):
+        raise ValueError(f"block_t must be a power of 2 dividing {PAGE_TOKENS} (>= 16 with mma), got {block_t}")
+    if block_m is None:
+        block_m = min(64, max(16, triton.next_power_of_2(M))) if mma else min(16, triton.next_power_of_2(M))
+    elif block_m & (block_m - 1) or (mma and block_m < 16):
+        raise ValueError(f"block_m must be a power of 2 (>= 16 with mma), got {block_m}")
     qp = fmt.rotate(q4).contiguous() if fmt.rotated else q4
     unrot = _unrotation(fmt, D, q.device) if fmt.rotated else q4
     P = page_table.shape[1]
@@ -322,7 +371,7 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
     elif not out.is_contiguous():
         raise ValueError("out must be contiguous")
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else out
-    block_m = min(64, max(16, triton.next_power_of_2(M)))  # decode: one block; long query blocks: several
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     _split_kernel[(B * H, n_parts, triton.cdiv(M, block_m))](
         q4, qp, unrot, nf4_levels(q.device), n_pages if slots is None else slots,  # (SLOTS unread without slots)
         page_table, n_pages, sink_k, sink_v, n_sink,
@@ -334,9 +383,9 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
         s_sink_b=sink_k.stride(0), s_sink_h=sink_k.stride(1), s_sink_t=sink_k.stride(2),
         s_rec_b=recent_k.stride(0), s_rec_h=recent_k.stride(1), s_rec_t=recent_k.stride(2),
         H=H, D=D, BLOCK_M=block_m, PAGE_T=PAGE_TOKENS, BLOCK_T=block_t,
-        ROTATED=fmt.rotated, NB_PAD=max(16, triton.next_power_of_2(kl.n_high)),
-        HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None,
-        **kl.constexprs("K_"), **vl.constexprs("V_"),
+        ROTATED=fmt.rotated, NB_PAD=max(16 if mma else 1, triton.next_power_of_2(kl.n_high)),
+        HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None, DOT_MMA=mma,
+        **kl.constexprs("K_"), **vl.constexprs("V_"), **launch,
     )
     _merge_kernel[(B * H, M)](o_part, lse_part, out, lse, n_parts, M, D=D,
                               PARTS_PAD=max(2, triton.next_power_of_2(n_parts)), RETURN_LSE=return_lse)

@@ -68,15 +68,43 @@ def attention_inputs(kv: str, batch: int, context: int, q_heads: int = 32, kv_he
     return args, nbytes
 
 
-def bench_attention(kv: str, batch: int, context: int, **shape) -> dict:
-    """Triton decode attention over the tiers: ms per call (graph and eager), bytes, bytes/s."""
+# kernel variants timed side by side: a name and attention.decode_attention keyword arguments
+# (mma, num_warps, num_stages, block_t, block_m, num_splits); {} = the automatic choices
+DEFAULT_VARIANTS = ({"name": "auto"},)
+VARIANTS = {
+    "auto": {},
+    "mma": {"mma": True},
+    "fma": {"mma": False},
+    "fma-w8": {"mma": False, "num_warps": 8},
+    "fma-w8-t16": {"mma": False, "num_warps": 8, "block_t": 16},
+    "mma-w8": {"mma": True, "num_warps": 8},
+}
+
+
+def variant(v) -> dict:
+    """A variant: a VARIANTS name or a dict {"name": ..., **decode_attention kwargs}."""
+    if isinstance(v, str):
+        return {"name": v, **VARIANTS[v]}
+    return {"name": v.get("name") or ",".join(f"{k}={x}" for k, x in v.items()), **v}
+
+
+def bench_attention(kv: str, batch: int, context: int, variants=DEFAULT_VARIANTS, **shape) -> list[dict]:
+    """Triton decode attention over the tiers, once per variant (same inputs): ms per call (graph
+    and eager), bytes, bytes/s. A variant that fails (e.g. out of resources) gets an `error`."""
     args, nbytes = attention_inputs(kv, batch, context, **shape)
-    fn = lambda: attention.decode_attention(*args)  # noqa: E731
-    fn()
-    ms = do_bench_cudagraph(fn, return_mode="median")
-    ms_eager = do_bench(fn, return_mode="median")
-    return {"kv": kv, "batch": batch, "context": context, "ms": ms, "ms_eager": ms_eager, "bytes": nbytes,
-            "bytes_per_s": nbytes / (ms * 1e-3)}
+    rows = []
+    for v in map(variant, variants):
+        kw = {k: x for k, x in v.items() if k != "name"}
+        r = {"kv": kv, "variant": v["name"], "batch": batch, "context": context, "bytes": nbytes}
+        fn = lambda: attention.decode_attention(*args, **kw)  # noqa: E731
+        try:
+            fn()
+            ms = do_bench_cudagraph(fn, return_mode="median")
+            r.update(ms=ms, ms_eager=do_bench(fn, return_mode="median"), bytes_per_s=nbytes / (ms * 1e-3))
+        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+            r.update(ms=None, ms_eager=None, bytes_per_s=None, error=f"{type(e).__name__}: {e}"[:200])
+        rows.append(r)
+    return rows
 
 
 def bench_sdpa(batch: int, context: int, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
@@ -109,25 +137,32 @@ def bench_encode(kv: str, batch: int, kv_heads: int = 8, head_dim: int = 128, de
 
 
 def kernel_table(kvs=("fp16", "kivi-k2v2", "kitty", "kitty-pro", "kvarn", "nqkv"), batches=(1, 16, 64),
-                 contexts=(4096, 32768), q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> list[dict]:
-    """The issue's table (Llama-3-8B attention shape by default): every (kv, batch, context) with
-    its share of copy bandwidth and its speedup over our FP16 paged kernel (kvs must start with
-    fp16 for that) and over SDPA; then the encode cost per flush of every kv and batch."""
+                 contexts=(4096, 32768), q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                 variants=DEFAULT_VARIANTS, encode: bool = True) -> list[dict]:
+    """The issue's table (Llama-3-8B attention shape by default): every (kv, variant, batch, context)
+    with its share of copy bandwidth and its speedup over our FP16 paged kernel (kvs must start
+    with fp16 for that; vs_fp16 compares with fp16 under the same variant) and over SDPA; then
+    the encode cost per flush of every kv and batch. variants: names of VARIANTS or dicts
+    {"name": ..., **decode_attention kwargs}, all timed on the same inputs."""
     shape = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     copy = copy_bandwidth()
     rows = []
     for batch in batches:
         for context in contexts:
             sdpa = bench_sdpa(batch, context, **shape)
-            fp16 = None
+            fp16 = {}
             for kv in kvs:
-                r = bench_attention(kv, batch, context, **shape)
-                fp16 = r if kv == "fp16" else fp16
-                r.update(copy_fraction=r["bytes_per_s"] / copy, vs_sdpa=sdpa["ms"] / r["ms"],
-                         vs_fp16=fp16["ms"] / r["ms"] if fp16 else None, sdpa_ms=sdpa["ms"])
-                rows.append(r)
+                for r in bench_attention(kv, batch, context, variants, **shape):
+                    if kv == "fp16":
+                        fp16[r["variant"]] = r
+                    base = fp16.get(r["variant"], {}).get("ms")
+                    ok = r["ms"] is not None
+                    r.update(copy_fraction=r["bytes_per_s"] / copy if ok else None,
+                             vs_sdpa=sdpa["ms"] / r["ms"] if ok else None,
+                             vs_fp16=base / r["ms"] if ok and base else None, sdpa_ms=sdpa["ms"])
+                    rows.append(r)
                 torch.cuda.empty_cache()
-    for kv in kvs:
+    for kv in kvs if encode else ():
         for batch in batches:
             e = bench_encode(kv, batch, kv_heads, head_dim)
             rows.append({**e, "copy_bytes_per_s": copy})

@@ -184,20 +184,33 @@ class KVCache:
     def end_step(self) -> None:
         """Commit the step's tokens: place them in the tiers and encode every full page."""
         step, self._step = self._step, None
-        for layer in range(self.n_layers):
-            if step.n_new == 1:
-                self._flush_decode(layer, step)
-            else:
+        if step.n_new == 1:
+            # Which rows flush depends only on the window, so decide once per distinct window.
+            flushing = {R: self._rows_to_flush(step.slots, R) for R in self._window_row}
+            for layer in range(self.n_layers):
+                if flushing[self.windows[layer]]:
+                    self._flush_decode(layer, flushing[self.windows[layer]])
+        else:
+            for layer in range(self.n_layers):
                 self._store_block(layer, step)
         for s in step.slots:
             self.lengths[s] += step.n_new
 
-    def _flush_decode(self, layer: int, step: "_Step") -> None:
+    def _rows_to_flush(self, slots: list[int], window: int) -> list[tuple[int, int]]:
+        """(slot, index of its next page) of each row whose recent tier this decode step filled
+        to window + 128 tokens."""
+        full = []
+        for s in slots:
+            L = self.lengths[s]
+            if L >= self.sink:  # the step's token went to the recent tier, not the sink
+                _, n_pages, n_recent = _tier_counts(L, self.sink, window)
+                if n_recent + 1 == window + PAGE:
+                    full.append((s, n_pages))
+        return full
+
+    def _flush_decode(self, layer: int, full: list[tuple[int, int]]) -> None:
+        """Encode the oldest 128 recent tokens of these rows into their next pages."""
         R, S = self.windows[layer], self.sink
-        full = [(s, _tier_counts(self.lengths[s], S, R)) for s in step.slots]
-        full = [(s, n_pages) for s, (n_sink, n_pages, n_recent) in full if self.lengths[s] >= S and n_recent + 1 == R + PAGE]
-        if not full:
-            return
         rows = torch.tensor([s for s, _ in full], device=self.device)
         page_ids = [self._pages[s][n] for s, n in full]
         dk, dv = self.dense_k[layer], self.dense_v[layer]

@@ -156,9 +156,11 @@ def test_reference_matches_naive_attention(name: str, queries: int, window: int 
         torch.testing.assert_close(out[b] if queries > 1 else out[b, :, None], want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("mma", [True, False], ids=["mma", "fma"])  # tensor-core or CUDA-core products
 @pytest.mark.parametrize("name,head_dim,group,queries,rows,heads,splits,extras", CASES,
                          ids=[f"{c[0]}-{c[7]}" if c[7] else c[0] for c in CASES])
-def test_triton_attention_matches_reference(name, head_dim, group, queries, rows, heads, splits, extras, monkeypatch):
+def test_triton_attention_matches_reference(name, head_dim, group, queries, rows, heads, splits, extras, mma,
+                                            monkeypatch):
     gen = torch.Generator().manual_seed(zlib.crc32((name + extras).encode()))
     opts = dict(e.split("=") if "=" in e else (e, True) for e in extras.split(",") if e)
     n_sink, n_pages, n_recent = ROWS[rows]
@@ -173,7 +175,7 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
     monkeypatch.setattr(attention, "_scratch", lambda shape, device: torch.full(shape, float("nan"), device=device))
     # a single query: into a given (poisoned) buffer; a block: the kernel allocates the result itself
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE) if queries == 1 else None
-    got = call(attention.decode_attention, q, c, head_dim**-0.5, out=out, num_splits=splits, **kw)
+    got = call(attention.decode_attention, q, c, head_dim**-0.5, out=out, num_splits=splits, mma=mma, **kw)
     if kw["return_lse"]:
         (got, lse), (want, want_lse) = got, want
         torch.testing.assert_close(lse, want_lse, rtol=TOL, atol=TOL)
@@ -181,6 +183,22 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
     want = want.float()
     err = ((got.float() - want).abs().max() / want.abs().max()).item()
     assert err < TOL, f"{name}: relative error {err:.2e}"
+
+
+def test_product_path_choice():
+    """CUDA-core products for decode-sized tiles (<= 8 q rows per kv head), tensor cores beyond."""
+    assert not attention.use_mma(1) and not attention.use_mma(4) and not attention.use_mma(8)
+    assert attention.use_mma(9) and attention.use_mma(77)
+
+
+def test_fma_tile_options_do_not_change_the_result():
+    """The CUDA-core path with 1-row tiles (block_m=1) and 16-token steps equals the default."""
+    gen = torch.Generator().manual_seed(11)
+    c = make_cache(get_format("kitty"), 2, 64, *ROWS["mixed"], gen)
+    q = torch.randn(3, 8, 64, generator=gen).to(DEVICE, DTYPE)
+    want = call(attention.decode_attention, q, c, 0.125, num_splits=2).float()
+    got = call(attention.decode_attention, q, c, 0.125, num_splits=2, mma=False, block_m=1, block_t=16).float()
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
 
 def test_split_count_does_not_change_the_result():

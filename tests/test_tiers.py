@@ -40,16 +40,6 @@ ATTN_ATOL = 1e-5  # fp32 cache against the float64 oracle on unit-scale values: 
 LOGIT_ATOL = 1e-4  # fp32 model logits, same tokens and values, different op order
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tests run thousands of tiny ops: a second intra-op thread only adds overhead, and
-    on a busy runner its spin-waits cost milliseconds per op (20x slower here), so use one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---- oracles -------------------------------------------------------------------------------
 
 class TierRule:
