@@ -295,13 +295,15 @@ def _default_block(*layouts: Layout) -> int:
 
 
 # q rows per kv head (GQA group times queries) up to which the products run on CUDA cores
-MMA_MIN_ROWS = 8
+MMA_MIN_ROWS = 0
 
 
 def use_mma(m: int) -> bool:
-    """Tensor cores (tl.dot) for a tile of m q rows per kv head? Only past MMA_MIN_ROWS: a decode
-    step's 1..8 rows would be padded to 16 and its dequantized K/V converted to dot operand
-    layouts every block, which costs more than the products themselves."""
+    """Tensor cores (tl.dot) for a tile of m q rows per kv head? Only past MMA_MIN_ROWS. The
+    CUDA-core path avoids padding a decode step's few rows to 16 and converting dequantized
+    tiles to dot layouts, but compiled for sm_90 it needs 2-4x the instructions (its D
+    reductions become warp shuffles), so until a GPU timing says otherwise every tile uses
+    tensor cores (MMA_MIN_ROWS = 0); bench.py kernels --variants mma,fma-w8 times both."""
     return m > MMA_MIN_ROWS
 
 
@@ -331,9 +333,8 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
     inner step (a power of 2 dividing 128, >= 16 with mma; default: the rows of the packed planes,
     so that each plane is loaded once per page, at most 32 without mma).
     mma: inner products on tensor cores (tl.dot, q rows padded to >= 16) or, False, as float32
-    broadcast-sums on CUDA cores (no padding, no operand layout conversions); default
-    (use_mma) tensor cores only for more than MMA_MIN_ROWS q rows per kv head, i.e. long query
-    blocks, CUDA cores for decode. block_m: q rows per program (a power of 2; default all of
+    broadcast-sums on CUDA cores (no padding, no operand layout conversions); default: use_mma.
+    block_m: q rows per program (a power of 2; default all of
     them up to 64 with mma, 16 without). num_warps / num_stages: Triton launch options of the
     split kernel (default: Triton's).
     """

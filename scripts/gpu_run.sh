@@ -18,16 +18,16 @@ run() {  # run NAME SECONDS CMD...: stdout -> NAME.md, stderr -> NAME.err
 for s in $stages; do
   case $s in
     tests)
-      NANOKV_TEST_DEVICE=cuda run tests_engine 300 python3 -m pytest -q tests/test_engine.py -p no:cacheprovider
-      run tests_kernels 300 python3 -m pytest -q tests/test_kernels.py -p no:cacheprovider ;;
+      NANOKV_TEST_DEVICE=cuda run tests_engine ${T_TESTS:-300} python3 -m pytest -q tests/test_engine.py -p no:cacheprovider
+      run tests_kernels ${T_TESTS:-300} python3 -m pytest -q tests/test_kernels.py -p no:cacheprovider ${KERNEL_TESTS:-} ;;
     kernels)
-      run kernels 420 python3 bench.py kernels --kv ${KERNEL_KV:-fp16,kivi-k2v2,kitty,kitty-pro,kvarn,nqkv} \
-        --batch ${KERNEL_BATCH:-1,16,64} --ctx ${KERNEL_CTX:-4096,32768} ${KERNEL_ARGS:-} --json "$LOG/kernels.jsonl" ;;
+      run kernels ${T_KERNELS:-420} python3 bench.py kernels --kv ${KERNEL_KV:-fp16,kivi-k2v2,kitty,kitty-pro,kvarn,nqkv} \
+        --batch ${KERNEL_BATCH:-1,16,64} --ctx ${KERNEL_CTX:-4096,32768} --variants ${KERNEL_VARIANTS:-mma,fma-w8} ${KERNEL_ARGS:-} --json "$LOG/kernels.jsonl" ;;
     speed)
-      run speed 420 python3 bench.py speed --config llama3-8b --kv ${SPEED_KV:-fp16,kivi-k2v2,kitty} --batch ${SPEED_BATCH:-1,16} \
+      run speed ${T_SPEED:-420} python3 bench.py speed --config llama3-8b --kv ${SPEED_KV:-fp16,kivi-k2v2,kitty} --batch ${SPEED_BATCH:-1,16} \
         --prompt 512 --new 128 --vs-hf ${SPEED_ARGS:-} --json "$LOG/speed.jsonl" --plot "$FINAL/speed.png" ;;
     speed4k)
-      run speed4k 420 python3 bench.py speed --config llama3-8b --kv ${SPEED4K_KV:-fp16,kitty} --batch 32 \
+      run speed4k ${T_SPEED:-420} python3 bench.py speed --config llama3-8b --kv ${SPEED4K_KV:-fp16,kitty} --batch 32 \
         --prompt 4096 --new 128 --vs-hf --json "$LOG/speed4k.jsonl" ;;
     capacity)
       run capacity 300 python3 bench.py capacity --config llama3-8b --budget-gb ${CAP_GB:-54} --ctx 8192 --new 32 \

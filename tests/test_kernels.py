@@ -185,12 +185,6 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
     assert err < TOL, f"{name}: relative error {err:.2e}"
 
 
-def test_product_path_choice():
-    """CUDA-core products for decode-sized tiles (<= 8 q rows per kv head), tensor cores beyond."""
-    assert not attention.use_mma(1) and not attention.use_mma(4) and not attention.use_mma(8)
-    assert attention.use_mma(9) and attention.use_mma(77)
-
-
 def test_fma_tile_options_do_not_change_the_result():
     """The CUDA-core path with 1-row tiles (block_m=1) and 16-token steps equals the default."""
     gen = torch.Generator().manual_seed(11)
