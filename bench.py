@@ -172,8 +172,11 @@ def cmd_quality(args) -> None:
                          block=args.pseudo_decode, ppl=float(nll.mean().exp()), kl=float(kl.mean()),
                          top1=float((logp.argmax(-1) == reference.argmax(-1)).float().mean()),
                          bits=stats["bits_per_element"], page_bits=stats["page_bits_per_element"], seconds=seconds))
+        if args.json:  # one line per method as it finishes: a long run keeps what it measured
+            with open(args.json, "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
         del llm
-    emit(rows, ["method", "sink", "ppl", "kl", "top1", "page_bits", "bits", "seconds"], args.json)
+    emit(rows, ["method", "sink", "ppl", "kl", "top1", "page_bits", "bits", "seconds"], None)
 
 
 # ---- speed and capacity ------------------------------------------------------------------------
