@@ -95,7 +95,7 @@ def layout(codec, heads: int, head_dim: int, tokens: int) -> Layout:
         hdiv, s_head, group = (b // D, 1, D) if b >= D else (1, D // b, b)
         return Layout(4, code_rows(4, T), True, T * blocks, s_head, blocks, hdiv, group, has_zero=False, mult_kind=0,
                       nf4=True, n_high=0, fields=("codes", "scale", None, None, None, None))
-    raise NotImplementedError(f"no Triton layout for codec kind {codec.kind!r}")
+    raise ValueError(f"no Triton layout for codec kind {codec.kind!r}")
 
 
 @functools.lru_cache(maxsize=None)

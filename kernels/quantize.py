@@ -245,7 +245,7 @@ def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Ten
     lay = layout(codec, H, D, T)
     kind = codec.kind
     if kind == "kitty" and codec.score not in ("magnitude", "variance"):
-        raise NotImplementedError(f"Kitty score {codec.score!r} has no Triton encode (magnitude, variance)")
+        raise ValueError(f"Kitty score {codec.score!r} has no Triton encode (magnitude, variance)")
     slots = -(-T // lay.rows)
     had, mids = _constants(x.device, D)
     _encode_kernel[(N, H)](

@@ -10,6 +10,7 @@ to the attention output for formats that store rotated K/V, and the format of a 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -20,23 +21,23 @@ PAGE_TOKENS = 128  # tokens per page; also the group over which K is quantized p
 FieldSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-class TileCodec:
+class TileCodec(ABC):
     """Encodes pages of K or V. Subclasses are small frozen dataclasses of their options."""
 
     kind: str  # which reader the kernels use for these fields
 
+    @abstractmethod
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
         """Shape and dtype of every stored tensor of ONE page (no leading batch dims)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def encode(self, x: Tensor) -> dict[str, Tensor]:
         """x [..., H, T, D] -> fields, each [..., *field_shape]."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
         """fields -> float32 [..., H, T, D]. tokens is only needed where the fields do not
         determine T (3-bit keys: ceil(T/10) word rows); it defaults to PAGE_TOKENS there."""
-        raise NotImplementedError
 
     def nbytes(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> int:
         """Bytes one page stores: codes, scales, ids, everything."""
