@@ -113,6 +113,7 @@ def copy_bandwidth(device: str, gib: float = 2.0) -> float:
 # ---- quality ---------------------------------------------------------------------------------
 
 
+@torch.inference_mode()
 def teacher_forced_logprobs(llm: LLM, ids: list[int], prefix: int, block: int) -> torch.Tensor:
     """Log-probabilities of the next token at positions prefix-1 .. len-2, feeding the true text
     through the cache: a prefill of `prefix` tokens, then blocks of `block` tokens (1 = real
