@@ -21,12 +21,12 @@ from typing import Callable
 
 import torch
 
-DEFAULT_PROMPT_MAX_NEW = 128
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = DEFAULT_PROMPT_MAX_NEW
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-pickle", action="store_true",
                    help="allow loading pickle .bin checkpoints (with torch.load weights_only=True)")
     s = shared.add_argument_group("sampling")
-    s.add_argument("--max-new-tokens", type=int, default=DEFAULT_PROMPT_MAX_NEW, help="tokens to generate at most (default 128)")
+    s.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="tokens to generate at most (default 128)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
     s.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
