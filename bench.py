@@ -90,26 +90,6 @@ def _fmt(x) -> str:
     return "" if x is None else str(x)
 
 
-def copy_bandwidth(device: str, gib: float = 2.0) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
-    n = int(gib * 2**30) // 2
-    a = torch.empty(n, dtype=torch.float16, device=device).normal_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del a, b
-    return 2 * n * 2 / sorted(times)[len(times) // 2]
-
-
 # ---- quality ---------------------------------------------------------------------------------
 
 
@@ -258,6 +238,8 @@ def cmd_speed(args) -> None:
     cfg = hf_config(args.config)
     dtype = getattr(torch, args.dtype)
     methods, batches = _methods(args.kv), _ints(args.batch)
+    from kernels.bench import copy_bandwidth  # GPU only: it imports triton.testing
+
     bw = copy_bandwidth("cuda")
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {bw / 1e12:.2f} TB/s", file=sys.stderr)
     rows = []
@@ -326,6 +308,8 @@ def cmd_capacity(args) -> None:
     hundreds of sequences would take minutes and does not change the decode step."""
     cfg = hf_config(args.config)
     dtype = getattr(torch, args.dtype)
+    from kernels.bench import copy_bandwidth  # GPU only: it imports triton.testing
+
     bw = copy_bandwidth("cuda")
     model = dummy_model(cfg, "cuda", dtype, args.ctx + args.new)
     wbytes = weight_bytes_per_step(model)
