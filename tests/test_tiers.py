@@ -473,3 +473,23 @@ def test_pool_holds_every_page_after_a_run(tiny_llama):
     assert sorted(pool.allocate(pool.num_pages)) == list(range(pool.num_pages)), "every page exactly once"
     assert cache.num_free_slots == 2
     assert llm.kv_stats()["total"] == 0
+
+
+def test_kvmix_important_layers_keep_more_tokens_in_fp16():
+    """KVmix: a layer whose plan gives it twice the window ratio keeps twice the recent window,
+    so at the same length it has flushed fewer tokens into (its own-width) pages."""
+    plan = {"method": "kvmix", "layers": [{"k_bits": 2, "v_bits": 2, "window_ratio": 0.1},
+                                          {"k_bits": 4, "v_bits": 4, "window_ratio": 0.2}]}
+    cache = KVCache(n_layers=LAYERS, n_kv_heads=H, head_dim=D, kv="kvmix", kv_plan=plan, sink=4, window=8,
+                    max_seqs=1, max_seq_len=1024, budget_bytes=8 * 2**20)
+    seq = Seq(cache, 4 + 16 + 128, seed=12)
+    for _ in range(4 + 8 + 128):  # exactly one page's worth past layer 0's window
+        feed(cache, [seq], 1)
+    low, high = cache.kv_stats()["layers"]
+    bytes_per_token = 2 * H * D * cache.dtype.itemsize
+    assert low["pages"] == quant.get_format("kivi-k2v2").page_bytes(H, D)  # one 2-bit page
+    assert low["recent"] == 8 * bytes_per_token
+    assert high["pages"] == 0 and high["recent"] == (8 + 128) * bytes_per_token
+    for _ in range(8):  # layer 1 reaches its own window + 128: a 4-bit page
+        feed(cache, [seq], 1)
+    assert cache.kv_stats()["layers"][1]["pages"] == quant.get_format("kivi-k4v4").page_bytes(H, D)
