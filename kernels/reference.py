@@ -93,11 +93,13 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
     qpos = stored[:, None] - 1 if single else stored[:, None] + torch.arange(T, device=q.device)
 
     def visible(pos: Tensor, n: Tensor) -> Tensor:
-        """[B, G*T, N] mask of stored positions pos [B, N] (the first n[b] of each row) per query."""
-        ok = (torch.arange(pos.shape[1], device=q.device) < n[:, None])[:, None, :]
-        if window is not None:
-            ok = ok & (qpos[:, :, None] - pos[:, None, :] < window)
-        return ok.expand(B, T, pos.shape[1]).repeat(1, G, 1)
+        """Mask of stored positions pos [B, N] (the first n[b] of each row): [B, N], the same for
+        every query, or with a sliding window [B, G*T, N], per query."""
+        ok = torch.arange(pos.shape[1], device=q.device) < n[:, None]
+        if window is None:
+            return ok
+        ok = ok[:, None, :] & (qpos[:, :, None] - pos[:, None, :] < window)
+        return ok.repeat(1, G, 1)
 
     def dense(k: Tensor, v: Tensor, n: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
         pos = first[:, None] + torch.arange(k.shape[2], device=q.device)
