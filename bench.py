@@ -499,13 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("kernels", parents=[common], help="decode-attention kernels: time, bytes, bandwidth")
     k.add_argument("--batch", default="1,16,64")
-    k.add_argument("--ctx", default="4096,32768")
+    k.add_argument("--ctx", default="4096,32768", help="comma-separated contexts (empty: encode timings only)")
     k.add_argument("--q-heads", type=int, default=32)
     k.add_argument("--kv-heads", type=int, default=8)
     k.add_argument("--head-dim", type=int, default=128)
     k.add_argument("--variants", default="auto",
                    help="comma-separated kernel variants, timed side by side (kernels/bench.py VARIANTS: "
-                        "auto, mma, fma, fma-w8, fma-w8-t16, mma-w8)")
+                        "auto, w8, t64, t128-w8, noasm)")
     k.add_argument("--no-encode", action="store_true", help="skip the encode timings")
     return p
 

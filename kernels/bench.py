@@ -71,15 +71,16 @@ def attention_inputs(kv: str, batch: int, context: int, q_heads: int = 32, kv_he
 
 
 # kernel variants timed side by side: a name and attention.decode_attention keyword arguments
-# (mma, num_warps, num_stages, block_t, block_m, num_splits); {} = the automatic choices
+# (num_warps, num_stages, block_t, block_m, num_splits, asm, unroll, maxnreg); {} = the automatic choices
 DEFAULT_VARIANTS = ({"name": "auto"},)
 VARIANTS = {
     "auto": {},
-    "mma": {"mma": True},
-    "fma": {"mma": False},
-    "fma-w8": {"mma": False, "num_warps": 8},
-    "fma-w8-t16": {"mma": False, "num_warps": 8, "block_t": 16},
-    "mma-w8": {"mma": True, "num_warps": 8},
+    "u4": {"unroll": 4},
+    "w1-t16": {"num_warps": 1, "block_t": 16},
+    "w2-t16": {"num_warps": 2, "block_t": 16},
+    "w2": {"num_warps": 2},
+    "w8": {"num_warps": 8},
+    "noasm": {"asm": False},  # codes -> levels with Triton's integer conversions instead of _UNPACK_ASM
 }
 
 

@@ -156,10 +156,9 @@ def test_reference_matches_naive_attention(name: str, queries: int, window: int 
         torch.testing.assert_close(out[b] if queries > 1 else out[b, :, None], want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("mma", [True, False], ids=["mma", "fma"])  # tensor-core or CUDA-core products
 @pytest.mark.parametrize("name,head_dim,group,queries,rows,heads,splits,extras", CASES,
                          ids=[f"{c[0]}-{c[7]}" if c[7] else c[0] for c in CASES])
-def test_triton_attention_matches_reference(name, head_dim, group, queries, rows, heads, splits, extras, mma,
+def test_triton_attention_matches_reference(name, head_dim, group, queries, rows, heads, splits, extras,
                                             monkeypatch):
     gen = torch.Generator().manual_seed(zlib.crc32((name + extras).encode()))
     opts = dict(e.split("=") if "=" in e else (e, True) for e in extras.split(",") if e)
@@ -175,7 +174,7 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
     monkeypatch.setattr(attention, "_scratch", lambda shape, device: torch.full(shape, float("nan"), device=device))
     # a single query: into a given (poisoned) buffer; a block: the kernel allocates the result itself
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE) if queries == 1 else None
-    got = call(attention.decode_attention, q, c, head_dim**-0.5, out=out, num_splits=splits, mma=mma, **kw)
+    got = call(attention.decode_attention, q, c, head_dim**-0.5, out=out, num_splits=splits, **kw)
     if kw["return_lse"]:
         (got, lse), (want, want_lse) = got, want
         torch.testing.assert_close(lse, want_lse, rtol=TOL, atol=TOL)
@@ -185,14 +184,17 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
     assert err < TOL, f"{name}: relative error {err:.2e}"
 
 
-def test_fma_tile_options_do_not_change_the_result():
-    """The CUDA-core path with 1-row tiles (block_m=1) and 16-token steps equals the default."""
+@pytest.mark.parametrize("name", ["kitty", "kvarn-k4v2", "kvmix:3v2"])
+def test_tile_options_do_not_change_the_result(name: str):
+    """32- and 128-token steps (a plane loaded once per page; several slots per step), 32-row q
+    blocks, 4 warps and an unrolled step loop give the default's (16-token steps) result."""
     gen = torch.Generator().manual_seed(11)
-    c = make_cache(get_format("kitty"), 2, 64, *ROWS["mixed"], gen)
+    c = make_cache(get_format(name), 2, 64, *ROWS["mixed"], gen)
     q = torch.randn(3, 8, 64, generator=gen).to(DEVICE, DTYPE)
     want = call(attention.decode_attention, q, c, 0.125, num_splits=2).float()
-    got = call(attention.decode_attention, q, c, 0.125, num_splits=2, mma=False, block_m=1, block_t=16).float()
-    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    for opts in (dict(block_t=32, unroll=4, num_warps=4), dict(block_t=128, block_m=32)):
+        got = call(attention.decode_attention, q, c, 0.125, num_splits=2, **opts).float()
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
 
 def test_split_count_does_not_change_the_result():
