@@ -368,13 +368,27 @@ def _layouts(fmt, heads: int, head_dim: int) -> tuple[Layout, Layout]:
     return layout(fmt.k, heads, head_dim, PAGE_TOKENS), layout(fmt.v, heads, head_dim, PAGE_TOKENS)
 
 
-# Launch defaults, measured on an H100 (bench.py kernels --variants auto,u4,w1-t16,w2-t16,w2 at 32k
-# context): one warp per program and 16-token steps were the fastest for every format at batch 16
-# and 64 (kitty 2.2 ms at batch 64 against 3.5 ms for four warps, 32-token steps). One warp keeps
-# the softmax reductions inside the warp (no barriers); the register file, not the instruction
-# count, limits how many programs an SM holds.
+# Launch defaults, measured on an H100 (bench.py kernels --variants auto,u4,w1-t16,w2-t16,w2): with
+# enough programs to fill the GPU (batch 16 and 64, or long contexts) one warp per program and
+# 16-token steps were the fastest for every format (kitty, batch 64, 32k: 2.2 ms against 3.5 ms
+# for four warps and 32-token steps): one warp keeps the softmax reductions inside the warp (no
+# barriers), and the register file, not the instruction count, limits how many programs an SM
+# holds. With few programs (batch 1, 4k: 64 programs) four warps, steps of a plane's rows and an
+# unrolled step loop were faster (kitty 0.024 ms against 0.041 ms).
 BLOCK_T = 16
 DECODE_WARPS = 1
+FEW_PROGRAMS_PER_SM = 2
+
+
+def _plane_block(*layouts: Layout) -> int:
+    """Tokens per step when there are few programs: the row count of the packed planes (each plane
+    loaded once per page, one slot per step), 16..64."""
+    rows = [lay.rows for lay in layouts if lay.bits != 16 and lay.rows & (lay.rows - 1) == 0]
+    return max(16, min(min(rows, default=64), 64))
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def default_splits(n_cols: int, programs: int, device: torch.device) -> int:
@@ -383,8 +397,7 @@ def default_splits(n_cols: int, programs: int, device: torch.device) -> int:
     least 4 pages per split so that the partials stay small next to the pages."""
     if n_cols == 0:
         return 0
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return max(1, min(-(-n_cols // 4), -(-4 * sms // programs)))
+    return max(1, min(-(-n_cols // 4), -(-4 * _sm_count(device) // programs)))
 
 
 def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[str, Tensor],
@@ -401,13 +414,13 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
     q [B, Hq, D] or [B, Hq, T, D] (every query sees every stored token); slots, window,
     return_lse as in the reference. out: optional result buffer shaped like q (contiguous).
     num_splits: page splits per (row, kv head); default fills the GPU. block_t: tokens per
-    inner step (a power of 2 from 16 to 128, default BLOCK_T; a plane whose row count equals it is
-    loaded once per page). block_m: q rows per program (a power of 2 >= 16, the tl.dot minimum;
-    default all of them up to 64). num_warps / num_stages / maxnreg: Triton launch options of the
-    split kernel (default: DECODE_WARPS for one 16-row block, else 4). asm: unpack 2- and 4-bit
+    inner step (a power of 2 from 16 to 128, default BLOCK_T, or the planes' rows when there are
+    few programs; a plane whose row count equals it is loaded once per page). block_m: q rows per
+    program (a power of 2 >= 16, the tl.dot minimum; default all of them up to 64). num_warps / num_stages / maxnreg: Triton launch options of the
+    split kernel (default: DECODE_WARPS for one 16-row block and many programs, else 4). asm: unpack 2- and 4-bit
     codes with the PTX of _UNPACK_ASM (default: whenever the kernel is compiled, i.e. not under
-    the interpreter). unroll: unroll factor of the loop over a page's steps (default 1: unrolling
-    by 4 costs registers and was slower on the H100).
+    the interpreter). unroll: unroll factor of the loop over a page's steps (default 1; fully
+    unrolled when there are few programs: unrolling costs registers, which only pays off then).
     """
     single = q.dim() == 3
     q4 = (q[:, :, None] if single else q).contiguous()
@@ -420,7 +433,11 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
         if a.stride() != b_.stride() or a.stride(-1) != 1:
             raise ValueError("sink/recent K and V views must share strides with a unit last stride")
     kl, vl = _layouts(fmt, H, D)
-    block_t = block_t or BLOCK_T
+    P = page_table.shape[1]
+    if num_splits is None:
+        num_splits = default_splits(P, B * H, q.device)
+    few = B * H * num_splits < FEW_PROGRAMS_PER_SM * _sm_count(q.device)
+    block_t = block_t or (_plane_block(kl, vl) if few else BLOCK_T)
     if block_t & (block_t - 1) or PAGE_TOKENS % block_t or block_t < 16:
         raise ValueError(f"block_t must be a power of 2 from 16 to {PAGE_TOKENS}, got {block_t}")
     if block_m is None:
@@ -431,9 +448,6 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
         raise ValueError("asm=True needs the compiled kernel (the Triton interpreter cannot run PTX)")
     qp = fmt.rotate(q4).contiguous() if fmt.rotated else q4
     unrot = _unrotation(fmt, D, q.device) if fmt.rotated else q4
-    P = page_table.shape[1]
-    if num_splits is None:
-        num_splits = default_splits(P, B * H, q.device)
     per_split = max(1, -(-P // max(num_splits, 1)))
     num_splits = -(-P // per_split)  # drop splits that could never get a page
     n_parts = num_splits + 2
@@ -444,8 +458,8 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
     elif not out.is_contiguous():
         raise ValueError("out must be contiguous")
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else out
-    if num_warps is None:  # a long query block (many rows) needs more threads for its accumulator
-        num_warps = DECODE_WARPS if block_m == 16 else 4
+    if num_warps is None:  # (a long query block, many rows, needs more threads for its accumulator)
+        num_warps = DECODE_WARPS if block_m == 16 and not few else 4
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg))
               if v is not None}
     _split_kernel[(B * H, n_parts, triton.cdiv(M, block_m))](
@@ -461,7 +475,7 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
         H=H, D=D, BLOCK_M=block_m, PAGE_T=PAGE_TOKENS, BLOCK_T=block_t,
         ROTATED=fmt.rotated, NB_PAD=max(16, triton.next_power_of_2(kl.n_high)),
         HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None, ASM=not INTERPRETED if asm is None else asm,
-        UNROLL=unroll or 1,
+        UNROLL=unroll or (PAGE_TOKENS // block_t if few else 1),
         **kl.constexprs("K_"), **vl.constexprs("V_"), **launch,
     )
     _merge_kernel[(B * H, M)](o_part, lse_part, out, lse, n_parts, M, D=D,

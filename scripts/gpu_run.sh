@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then benchmarks. Everything lands in one results.tgz under $OUT
 # (the device tool returns few files); the markdown tables are printed last.
-# usage: scripts/gpu_run.sh [tests] [kernels] [speed] [speed4k] [capacity]   (default: all)
+# usage: scripts/gpu_run.sh [tests] [kernels] [speed] [speed4k] [configs] [capacity]   (default: all)
 set -uo pipefail
 FINAL=${OUT:-results}; mkdir -p "$FINAL"
 LOG=$(mktemp -d)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-stages=${*:-tests kernels speed speed4k capacity}
+stages=${*:-tests kernels speed speed4k configs capacity}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$LOG/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$LOG/gpu.txt"
 cat "$LOG/gpu.txt"
@@ -33,6 +33,11 @@ for s in $stages; do
     speed4k)
       run speed4k ${T_SPEED:-420} python3 bench.py speed --config llama3-8b --kv ${SPEED4K_KV:-fp16,kitty} --batch 32 \
         --prompt 4096 --new 128 --vs-hf --json "$LOG/speed4k.jsonl" ;;
+    configs)  # the other built-in shapes, without HF
+      for c in qwen3-8b mistral-7b opt-6.7b; do
+        run speed_$c ${T_SPEED:-420} python3 bench.py speed --config $c --kv ${CONFIGS_KV:-fp16,kitty} --batch 1,16 \
+          --prompt 512 --new 128 --json "$LOG/speed_$c.jsonl"
+      done ;;
     capacity)
       run capacity 300 python3 bench.py capacity --config llama3-8b --budget-gb ${CAP_GB:-54} --ctx 8192 --new 32 \
         --kv ${CAP_KV:-fp16,kivi-k2v2,kitty,kitty-pro} --json "$LOG/capacity.jsonl" --plot "$FINAL/capacity.png" ;;
