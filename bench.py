@@ -505,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--head-dim", type=int, default=128)
     k.add_argument("--variants", default="auto",
                    help="comma-separated kernel variants, timed side by side (kernels/bench.py VARIANTS: "
-                        "auto, w8, t64, t128-w8, noasm)")
+                        "auto, u4, w1-t16, w2-t16, w2, w8, noasm)")
     k.add_argument("--no-encode", action="store_true", help="skip the encode timings")
     return p
 
