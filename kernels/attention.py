@@ -200,9 +200,9 @@ def _split_kernel(
             else:
                 k_fold = _channel_factor(K_SCALE, page, h, d, K_S_PAGE, K_S_HEAD) * qk_scale
             qk = q * k_fold.to(dt)[None, :]
-            if K_PER_TOKEN:
+            if K_PER_TOKEN and K_HAS_ZERO:
                 q_zero = tl.sum(qk.to(tl.float32), 1)
-            elif K_HAS_ZERO and (K_BITS != 16):
+            elif K_HAS_ZERO and (K_BITS != 16) and (not K_PER_TOKEN):
                 zero_fold = _channel_factor(K_ZERO, page, h, d, K_S_PAGE, K_S_HEAD) * qk_scale
                 q_zero = tl.sum(q.to(tl.float32) * zero_fold[None, :], 1)
             if K_N_HIGH > 0:

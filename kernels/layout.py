@@ -42,6 +42,11 @@ class Layout:
     n_high: int  # Kitty: boosted channels with a sparse high plane (0: none)
     fields: tuple[str | None, ...]  # field names for (codes, scale, zero, mult, high, ids)
 
+    def __post_init__(self):
+        # the attention kernel folds mult along the axis that scale/zero do not use
+        if self.mult_kind not in (0, 2 if self.per_token else 1):
+            raise ValueError(f"mult_kind {self.mult_kind} must lie across the scales (per_token={self.per_token})")
+
     def constexprs(self, prefix: str) -> dict[str, int]:
         """Kernel keyword arguments, prefixed with 'K_' or 'V_'."""
         names = ("bits", "rows", "per_token", "s_page", "s_head", "s_tok", "hdiv", "group", "has_zero",
