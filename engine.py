@@ -6,6 +6,12 @@ possible length), is prefilled alone with causal SDPA, then joins the running ba
 step feeds each running sequence its last token, samples the next one on the device, and
 retires the sequences that hit EOS, a stop string or their token limit. Their pages return to
 the pool, and waiting requests take their place between steps.
+
+The host never waits for the step it has just launched. Sampled tokens stay on the GPU, where
+the next step reads them; a copy goes to pinned host memory and is read one step later, while
+the GPU runs the following step. So EOS and stop strings are seen one step late: a finished
+sequence may compute one extra token, which is dropped. Token limits are counted on the host
+and are never overrun.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from kvcache.cache import to_device
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -45,6 +53,7 @@ class Request:
     text: str = ""
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled"
     slot: int | None = None
+    n_sampled: int = 0  # tokens sampled so far, including one whose value is still on the GPU
     generator: torch.Generator | None = None
     _emitted: int = 0  # characters of `text` already streamed
 
@@ -106,12 +115,18 @@ class LLM:
             backend=kernels,
         )
         use_graphs = cuda_graphs and self.device.type == "cuda" and kernels != "torch"
-        self.graphs = DecodeGraphs(self.model, self.cache, max_batch) if use_graphs else None
+        # The last sampled token of each cache slot (the extra row is the cache's scratch slot):
+        # a decode step reads its input ids here, on the device.
+        self.last_tokens = torch.zeros(max_batch + 1, dtype=torch.long, device=self.device)
+        self.graphs = DecodeGraphs(self._decode_forward, self.cache, max_batch) if use_graphs else None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
-        # Wall time per phase; sampling copies the tokens to the host, so each phase ends synced.
-        self.timing = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_steps": 0, "decode_tokens": 0}
+        self._in_flight: collections.deque[_Launched] = collections.deque()  # sampled, not yet read
+        self._decode_out = [_HostTokens(max_batch, self.device) for _ in range(2)]  # alternate steps
+        self._decode_parity = 0
+        # Prefill time is measured on the device (CUDA events) since the host does not wait for it.
+        self.timing = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_steps": 0, "decode_tokens": 0}
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -152,14 +167,14 @@ class LLM:
         req.finish_reason = req.finish_reason or "cancelled"
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight)
 
     # ---- the loop ---------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Admit what fits, prefill it, run one decode step for the rest; returns finished requests."""
-        finished = []
+        """Admit what fits and prefill it, launch one decode step for the running sequences, then
+        read the tokens of every earlier launch; returns the requests that finished."""
         while self.waiting:
             req = self.waiting[0]
             slot = self.cache.admit(len(req.prompt_ids) + req.params.max_new_tokens)
@@ -168,44 +183,75 @@ class LLM:
             self.waiting.popleft()
             req.slot = slot
             self._prefill(req)
-            (finished if req.finished else self.running).append(req)
-        decoding = [r for r in self.running if r.output_ids and not r.finished]
+            self.running.append(req)
+        decoding = [r for r in self.running if not r.finished and 0 < r.n_sampled < r.params.max_new_tokens]
         if decoding:
             self._decode(decoding)
-        for req in [r for r in self.running if r.finished]:
-            self.running.remove(req)
-            finished.append(req)
+        # The newest launch stays in flight (unless it is all there is to wait for), so the GPU
+        # always has a step queued while the host streams text and retires requests.
+        keep = 1 if decoding else 0
+        while len(self._in_flight) > keep:
+            self._read_tokens(self._in_flight.popleft())
+        finished = [r for r in self.running if r.finished]
+        self.running = [r for r in self.running if not r.finished]
         return finished
 
     def _prefill(self, req: Request) -> None:
-        t0 = time.perf_counter()
-        ids = torch.tensor([req.prompt_ids], device=self.device)
+        timer = _DeviceTimer(self.device)
+        ids = to_device([req.prompt_ids], self.device)
         self.cache.begin_step([req.slot], len(req.prompt_ids))
         logits = self.model(ids, cache=self.cache)[:, -1]
         self.cache.end_step()
-        token = sample(logits, [req])[0]
-        self.timing["prefill_s"] += time.perf_counter() - t0
+        tokens = sample(logits, [req])
+        self.last_tokens[req.slot] = tokens[0]
+        out = _HostTokens(1, self.device)
+        self._in_flight.append(out.launch(tokens, [req], timer.stop()))
         self.timing["prefill_tokens"] += len(req.prompt_ids)
-        self._accept(req, token)
+        req.n_sampled = 1
+
+    def _decode_forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of the first `rows` step slots in device ops only, so that a CUDA graph
+        can capture it: input ids and positions come from device buffers, the greedy tokens go
+        back to them. Returns logits [rows, V] and greedy tokens [rows]."""
+        slots = self.cache.step_slots
+        positions = self.cache.step_on_device()
+        logits = self.model(self.last_tokens[slots][:, None], positions, cache=self.cache)[:, -1]
+        tokens = logits.argmax(-1)
+        self.last_tokens.index_copy_(0, slots, tokens)
+        return logits, tokens
 
     def _decode(self, reqs: list[Request]) -> None:
-        t0 = time.perf_counter()
-        ids = [r.output_ids[-1] for r in reqs]
-        positions = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs]
         slots = [r.slot for r in reqs]
+        B = len(reqs)
         if self.graphs:
-            logits = self.graphs.run(ids, positions, slots)
+            rows = self.graphs.bucket(B)
+            self.cache.begin_step(slots, 1, rows, graphed=True)
+            logits, tokens = self.graphs.replay(rows)
         else:
-            self.cache.begin_step(slots, 1)
-            logits = self.model(torch.tensor(ids, device=self.device)[:, None],
-                                torch.tensor(positions, device=self.device)[:, None], cache=self.cache)[:, -1]
+            self.cache.begin_step(slots, 1, graphed=True)
+            logits, tokens = self._decode_forward(B)
+        slots_t = self.cache.step_slots
         self.cache.end_step()
-        tokens = sample(logits, reqs)
-        self.timing["decode_s"] += time.perf_counter() - t0
+        if any(r.params.temperature > 0 for r in reqs):
+            sample(logits[:B], reqs, greedy=tokens[:B])
+            self.last_tokens.index_copy_(0, slots_t, tokens)
+        out = self._decode_out[self._decode_parity]
+        self._decode_parity ^= 1
+        self._in_flight.append(out.launch(tokens[:B], reqs))
+        for r in reqs:
+            r.n_sampled += 1
         self.timing["decode_steps"] += 1
-        self.timing["decode_tokens"] += len(reqs)
-        for req, tok in zip(reqs, tokens):
-            self._accept(req, tok)
+        self.timing["decode_tokens"] += B
+
+    def _read_tokens(self, launched: "_Launched") -> None:
+        """Wait for a launch's tokens on the host (the GPU is on a later step by now), then
+        accept them; a request that finished meanwhile drops its extra token."""
+        tokens = launched.wait()
+        if launched.timer:
+            self.timing["prefill_s"] += launched.timer.seconds()
+        for req, token in zip(launched.reqs, tokens):
+            if not req.finished:
+                self._accept(req, token)
 
     def _accept(self, req: Request, token: int) -> None:
         """Append a sampled token, stream its text, and decide whether the request is done."""
@@ -266,58 +312,110 @@ class LLM:
 
 class DecodeGraphs:
     """One CUDA graph per batch-size bucket for the decode forward, so a step is one replay
-    instead of hundreds of kernel launches from Python. The graph reads its inputs from fixed
-    buffers: token ids and positions here, slots and tier counts in the cache (begin_step
-    refreshes them); a batch smaller than its bucket is padded with the cache's scratch slot."""
+    instead of hundreds of kernel launches from Python. The graph reads everything from fixed
+    device buffers (last tokens, slots, lengths; begin_step refreshes the slots when they
+    change) and a batch smaller than its bucket is padded with the cache's scratch slot."""
 
-    def __init__(self, model: torch.nn.Module, cache, max_batch: int):
-        self.model, self.cache = model, cache
+    def __init__(self, forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]], cache, max_batch: int):
+        self.forward, self.cache = forward, cache
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
-        device = cache.device
-        self.ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = None
 
+    def bucket(self, batch: int) -> int:
+        """The rows of the graph that runs a batch, captured on first use (before begin_step)."""
+        rows = next(b for b in self.buckets if b >= batch)
+        if rows not in self.graphs:
+            self._capture(rows)
+        return rows
+
+    def replay(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and greedy tokens of the step begun with `rows` rows."""
+        graph, outputs = self.graphs[rows]
+        graph.replay()
+        return outputs
+
     def _capture(self, rows: int) -> None:
-        self.cache.begin_step([], 1, rows=rows)  # every row on the scratch slot
-        args = (self.ids[:rows], self.positions[:rows])
+        self.cache.begin_step([], 1, rows=rows, graphed=True)  # every row on the scratch slot
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels
             for _ in range(2):
-                self.model(*args, cache=self.cache)
+                self.forward(rows)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model(*args, cache=self.cache)[:, -1]
+            outputs = self.forward(rows)
         self.pool = graph.pool()
-        self.graphs[rows] = (graph, logits)
-
-    def run(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        """Logits [B, V] of one decode step; the caller ends the cache's step."""
-        B = len(ids)
-        rows = next(b for b in self.buckets if b >= B)
-        if rows not in self.graphs:
-            self._capture(rows)
-        self.ids[:B, 0].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:B, 0].copy_(torch.tensor(positions), non_blocking=True)
-        self.cache.begin_step(slots, 1, rows=rows)
-        graph, logits = self.graphs[rows]
-        graph.replay()
-        return logits[:B]
+        self.graphs[rows] = (graph, outputs)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-    """Next token per row: greedy at temperature 0, else temperature, top-k and top-p sampling,
-    drawn from each request's own generator when it has a seed."""
-    logits = logits.float()
-    out = logits.argmax(-1)
+class _HostTokens:
+    """A pinned host buffer that sampled tokens are copied into without waiting for the GPU,
+    and the event that says when they have arrived."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.buffer = torch.zeros(size, dtype=torch.long, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+
+    def launch(self, tokens: torch.Tensor, reqs: list[Request], timer: "_DeviceTimer | None" = None) -> "_Launched":
+        self.buffer[: len(reqs)].copy_(tokens, non_blocking=True)
+        if self.cuda:
+            self.event.record()
+        return _Launched(self, reqs, timer)
+
+
+@dataclass
+class _Launched:
+    """Tokens sampled for these requests, on their way to the host."""
+
+    out: _HostTokens
+    reqs: list[Request]
+    timer: "_DeviceTimer | None" = None
+
+    def wait(self) -> list[int]:
+        if self.out.event is not None:
+            self.out.event.synchronize()
+        return self.out.buffer[: len(self.reqs)].tolist()
+
+
+class _DeviceTimer:
+    """Elapsed time of the work queued between its creation and stop(), read later without
+    stalling the queue (CUDA events); plain wall time on the CPU, where work runs as it is queued."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> "_DeviceTimer":
+        if self.cuda:
+            self.end.record()
+        else:
+            self.elapsed = time.perf_counter() - self.t0
+        return self
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1e3
+        return self.elapsed
+
+
+def sample(logits: torch.Tensor, reqs: list[Request], greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token per row, on the device: greedy at temperature 0, else temperature, top-k and
+    top-p sampling, drawn from each request's own generator when it has a seed. `greedy` is the
+    argmax when the caller has it already (the decode graph takes it); sampled rows overwrite it."""
+    out = logits.argmax(-1) if greedy is None else greedy
     for row, req in enumerate(reqs):
         p = req.params
         if p.temperature <= 0:
             continue
-        x = logits[row] / p.temperature
+        x = logits[row].float() / p.temperature
         if p.top_k > 0:
             kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -327,7 +425,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
             drop = cum - torch.softmax(sorted_x, -1) >= p.top_p  # keep the smallest prefix reaching top_p
             x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
         out[row] = torch.multinomial(torch.softmax(x, -1), 1, generator=req.generator)[0]
-    return out.tolist()
+    return out
 
 
 def default_kv_budget(device: torch.device) -> int:

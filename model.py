@@ -7,7 +7,9 @@ block and one forward; nothing is copied per family.
 
 Attention either runs causal SDPA over the tokens it is given (cache=None: prompts, training,
 profiling) or hands q, k, v to a KV cache, which stores k and v and attends over everything
-the sequence has seen (kvcache/). Loading weights into this module is loading.py's job.
+the sequence has seen (kvcache/). RMSNorm, RoPE and the SiLU gate call kernels/, which runs
+them as one Triton kernel each on the GPU (a decode step is mostly such tiny ops) and as the
+plain torch expressions elsewhere. Loading weights into this module is loading.py's job.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import kernels
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "opt")
 
@@ -152,12 +156,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return scaled.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + D/2) by the position angle: HF's rotate_half convention."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -165,9 +163,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 def make_norm(config: ModelConfig, dim: int) -> nn.Module:
@@ -200,7 +196,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
         if cache is None:
             o = causal_attention(q, k, v, self.sliding_window)
         else:
@@ -233,7 +229,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.fc2(F.relu(self.fc1(x)))
 
 

@@ -6,6 +6,8 @@
         -> o, or (o, lse) with return_lse                 # arguments: kernels/reference.py
     kernels.encode_pages(codec, x, pool_fields, page_ids, backend=None)   # x [N, H, T, D] -> pages, in place
     kernels.merge_partials([(o, lse), ...])              # log-sum-exp merge of partial attentions
+    kernels.rms_norm(x, weight, eps), kernels.apply_rope(x, cos, sin), kernels.silu_mul(gate, up)
+                                                         # the model's per-token arithmetic
 
 backend: "triton" or "torch"; None picks triton for CUDA tensors and torch otherwise.
 Triton on CPU tensors runs under the Triton interpreter (slow; for tests): whether a kernel is
@@ -14,7 +16,7 @@ and, for a CPU call, with TRITON_INTERPRET=1 set first.
 
 Both backends support every quant/ format and every option above (Triton needs a power-of-2
 head dim). Files: reference.py (torch oracle, off-GPU path), layout.py (how the kernels address
-every format's fields), attention.py, quantize.py (Triton), bench.py (GPU timing hooks for
+every format's fields), attention.py, quantize.py, elementwise.py (Triton), bench.py (GPU timing hooks for
 `bench.py kernels`).
 """
 
@@ -43,7 +45,7 @@ def pick_backend(device: torch.device, backend: str | None = None) -> str:
 
 
 def _triton_module(name: str, device: torch.device) -> ModuleType:
-    """kernels.attention or kernels.quantize, imported for this device (interpreted on CPU)."""
+    """kernels.attention, .quantize or .elementwise, imported for this device (interpreted on CPU)."""
     full = f"{__name__}.{name}"
     if device.type != "cuda" and full not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -79,6 +81,28 @@ def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Ten
         _triton_module("quantize", x.device).encode_pages(codec, x, pool_fields, page_ids)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str | None = None) -> Tensor:
+    """RMSNorm over the last dim of x."""
+    if pick_backend(x.device, backend) == "torch":
+        return reference.rms_norm(x, weight, eps)
+    return _triton_module("elementwise", x.device).rms_norm(x, weight, eps)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, backend: str | None = None) -> Tensor:
+    """Rotary embedding of x [B, H, T, D] by cos/sin [B, 1, T, D] (rotate_half convention)."""
+    if pick_backend(x.device, backend) == "torch":
+        return reference.apply_rope(x, cos, sin)
+    return _triton_module("elementwise", x.device).apply_rope(x, cos, sin)
+
+
+def silu_mul(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
+    """SiLU(gate) * up."""
+    if pick_backend(gate.device, backend) == "torch":
+        return reference.silu_mul(gate, up)
+    return _triton_module("elementwise", gate.device).silu_mul(gate, up)
+
+
 merge_partials = reference.merge_partials
 
-__all__ = ["BACKENDS", "decode_attention", "encode_pages", "merge_partials", "pick_backend", "reference"]
+__all__ = ["BACKENDS", "apply_rope", "decode_attention", "encode_pages", "merge_partials", "pick_backend",
+           "reference", "rms_norm", "silu_mul"]

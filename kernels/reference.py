@@ -1,4 +1,5 @@
-"""Torch reference of the kernels: tiered decode attention and page encoding.
+"""Torch reference of the kernels: tiered decode attention, page encoding, and the model's
+per-token arithmetic (RMSNorm, RoPE, SiLU gate).
 
 This is the oracle the Triton kernels are tested against and the path the cache takes
 off-GPU. It favours clarity over speed but is batched and vectorised: pages are gathered
@@ -128,3 +129,23 @@ def encode_pages_reference(codec, x: Tensor, pool_fields: dict[str, Tensor], pag
     fields = codec.encode(x)
     for name, dst in pool_fields.items():
         dst[page_ids.long()] = fields[name].to(dst.dtype)
+
+
+# ---- the model's per-token arithmetic (kernels/elementwise.py) ---------------------------------
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim, in fp32; the normalised row is rounded to x's dtype before the
+    weight multiplies it (HF's Llama order)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate channel pairs (i, i + D/2) by the position angle: HF's rotate_half convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return torch.nn.functional.silu(gate) * up

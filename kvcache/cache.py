@@ -90,7 +90,11 @@ class KVCache:
         self._step_slots = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self._step_counts = torch.zeros(len(self._window_row), 4, max_seqs, dtype=torch.int32, device=self.device)
 
-        self.lengths = [0] * max_seqs  # tokens stored per slot; host-side so no step waits on the GPU
+        # Tokens stored per slot, kept twice: on the host for scheduling and flush decisions, on
+        # the device for the attention's tier counts, so neither side waits for the other.
+        self.lengths = [0] * max_seqs
+        self.seq_lens = torch.zeros(max_seqs + 1, dtype=torch.long, device=self.device)
+        self._uploaded_slots: list[int] = []
         self._reserved = [0] * max_seqs  # tokens each slot was admitted for
         self._pages: list[list[int] | None] = [None] * max_seqs  # reserved page ids per slot; None = free slot
         self._step: _Step | None = None
@@ -117,8 +121,9 @@ class KVCache:
         self._pages[slot] = pages
         self._reserved[slot] = max_tokens
         if pages:
-            self.page_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            self.page_table[slot, : len(pages)] = to_device(pages, self.device).int()
         self.lengths[slot] = 0
+        self.seq_lens[slot] = 0
         return slot
 
     def release(self, slot: int) -> None:
@@ -133,23 +138,42 @@ class KVCache:
 
     # ---- one forward -----------------------------------------------------------------------
 
-    def begin_step(self, slots: list[int], n_new: int, rows: int | None = None) -> None:
+    def begin_step(self, slots: list[int], n_new: int, rows: int | None = None, *, graphed: bool = False) -> None:
         """The next forward feeds n_new tokens to each of these slots (1 = a decode step).
-        rows > len(slots) pads the batch with scratch rows (CUDA-graph batch buckets)."""
+        rows > len(slots) pads the batch with scratch rows (CUDA-graph batch buckets).
+
+        This is the host half of a step: it checks the reservation and uploads the slots, only
+        when they changed since the last step. The device half, step_on_device, reads the
+        lengths on the GPU; it runs here unless `graphed`, when a CUDA graph replays it."""
         for s in slots:
             if self.lengths[s] + n_new > self._reserved[s]:
                 raise ValueError(f"slot {s} was admitted for {self._reserved[s]} tokens; "
                                  f"{self.lengths[s] + n_new} would overflow its reserved pages")
         rows = rows or len(slots)
         padded = slots + [self.scratch_slot] * (rows - len(slots))
-        lengths = [self.lengths[s] for s in slots] + [0] * (rows - len(slots))
-        host = torch.empty(1 + 4 * len(self._window_row), rows, dtype=torch.int64)
-        host[0] = torch.tensor(padded)
-        for R, i in self._window_row.items():
-            host[1 + 4 * i: 5 + 4 * i] = torch.tensor([_step_counts(L, self.sink, R, n_new) for L in lengths]).T
-        self._step_slots[:rows].copy_(host[0], non_blocking=True)
-        self._step_counts[:, :, :rows].copy_(host[1:].view(-1, 4, rows), non_blocking=True)
+        if padded != self._uploaded_slots:
+            self._step_slots[:rows].copy_(to_device(padded, self.device), non_blocking=True)
+            self._uploaded_slots = padded
         self._step = _Step(slots, n_new, self._step_slots[:rows], self._step_counts[:, :, :rows])
+        if not graphed:
+            self.step_on_device()
+
+    def step_on_device(self) -> torch.Tensor:
+        """The device half of beginning a step, in GPU ops only so that a CUDA graph can replay
+        it: each row's stored length gives the tier counts its attention sees, then advances by
+        the step's tokens (scratch rows stay empty). Returns the new tokens' positions [rows, n_new]."""
+        step = self._step
+        lengths = self.seq_lens[step.slots_t]
+        for R, i in self._window_row.items():
+            step.counts[i] = _step_counts(lengths, self.sink, R, step.n_new)
+        live = step.slots_t != self.scratch_slot
+        self.seq_lens[step.slots_t] = lengths + live * step.n_new
+        return lengths[:, None] + torch.arange(step.n_new, device=self.device)
+
+    @property
+    def step_slots(self) -> torch.Tensor:
+        """The device slots of the current step's rows (scratch-padded)."""
+        return self._step.slots_t
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of q [B, Hq, T, D] over everything stored for these rows plus the new k, v
@@ -211,7 +235,7 @@ class KVCache:
     def _flush_decode(self, layer: int, full: list[tuple[int, int]]) -> None:
         """Encode the oldest 128 recent tokens of these rows into their next pages."""
         R, S = self.windows[layer], self.sink
-        rows = torch.tensor([s for s, _ in full], device=self.device)
+        rows = to_device([s for s, _ in full], self.device)
         page_ids = [self._pages[s][n] for s, n in full]
         dk, dv = self.dense_k[layer], self.dense_v[layer]
         self._write_pages(layer, dk[rows, :, S:S + PAGE], dv[rows, :, S:S + PAGE], page_ids)
@@ -245,7 +269,7 @@ class KVCache:
             dv[s, :, S:S + keep] = tail_v[:, n_full * PAGE:]
 
     def _write_pages(self, layer: int, k_tiles: torch.Tensor, v_tiles: torch.Tensor, page_ids: list[int]) -> None:
-        ids = torch.tensor(page_ids, device=self.device)
+        ids = to_device(page_ids, self.device)
         fmt = self.formats[layer]
         kernels.encode_pages(fmt.k, k_tiles, self.k_pages[layer], ids, backend=self.backend)
         kernels.encode_pages(fmt.v, v_tiles, self.v_pages[layer], ids, backend=self.backend)
@@ -293,15 +317,28 @@ class _Step:
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _step_counts(length: int, sink: int, window: int, n_new: int) -> tuple[int, int, int, int]:
-    """(write index, sink, pages, recent) the attention of a step sees for a row of `length`
-    stored tokens. A decode step's token (n_new == 1) is written before the attention: into the
-    sink while it has room, else after the recent tier; a block's tokens are not stored yet."""
-    n_sink, n_pages, n_recent = _tier_counts(length, sink, window)
-    write_idx = length if length < sink else sink + n_recent
+def _step_counts(lengths: torch.Tensor, sink: int, window: int, n_new: int) -> torch.Tensor:
+    """[write index, sink, pages, recent] x rows: what the attention of a step sees for rows of
+    `lengths` stored tokens (the tensor form of _tier_counts). A decode step's token (n_new == 1)
+    is written before the attention: into the sink while it has room, else after the recent
+    tier; a block's tokens are not stored yet."""
+    n_sink = lengths.clamp(max=sink)
+    n_pages = (lengths - sink - window).clamp(min=0) // PAGE
+    n_recent = lengths - n_sink - n_pages * PAGE
+    in_sink = lengths < sink
+    write_idx = torch.where(in_sink, lengths, sink + n_recent)
     if n_new == 1:
-        n_sink, n_recent = (n_sink + 1, n_recent) if length < sink else (n_sink, n_recent + 1)
-    return write_idx, n_sink, n_pages, n_recent
+        n_sink, n_recent = n_sink + in_sink, n_recent + ~in_sink
+    return torch.stack([write_idx, n_sink, n_pages, n_recent])
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A list of ints on the device without waiting for the GPU: staged in pinned memory, copied
+    asynchronously (the pinned block is not reused before its copy has run)."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def pages_for(n_tokens: int, sink: int, window: int) -> int:

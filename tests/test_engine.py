@@ -181,3 +181,40 @@ def test_triton_kernels_give_the_torch_paths_tokens(tmp_path, kv):
         llm = make_llm(tmp_path, kv=kv, sink=4, window=8, kernels=backend)
         outs[backend] = [r.output_ids for r in llm.generate(prompts, params)]
     assert outs["triton"] == outs["torch"]
+
+
+class LetterTokenizer:
+    """Token i reads as one letter, so stop strings can be put anywhere in a token stream."""
+
+    eos_ids: set[int] = set()
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_eos_and_stop_strings_end_requests_without_disturbing_the_batch(tmp_path):
+    """The host reads each step's tokens one step late, so a finished request computes one token
+    too many. That token must not show up, its pages must come back, and the requests decoding
+    beside it, or taking its slot, must produce what they produce alone."""
+    make_tiny_model("llama", tmp_path)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 45, 140)]
+    free_run = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    llm = make_llm(tmp_path, max_batch=2, sink=4, window=8)
+    llm.tokenizer = LetterTokenizer()
+    alone = [llm.generate([p], free_run)[0].output_ids for p in prompts]
+
+    eos = alone[0][10]  # request 0 ends at the first occurrence of its 11th token
+    cut = alone[0].index(eos)
+    llm.eos_ids = {eos}
+    stop = LetterTokenizer().decode(alone[1][12:14])  # request 1 stops at two letters it emits
+    text1 = LetterTokenizer().decode(alone[1])
+    reqs = [llm.add_request(prompts[0], SamplingParams(max_new_tokens=40)),
+            llm.add_request(prompts[1], SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop])),
+            llm.add_request(prompts[2], free_run)]  # waits for a slot, then takes a freed one
+    llm.run(reqs)
+    assert reqs[0].finish_reason == "eos" and reqs[0].output_ids == alone[0][:cut]
+    assert reqs[1].finish_reason == "stop" and reqs[1].text == text1[: text1.index(stop)]
+    assert reqs[2].finish_reason == "length" and reqs[2].output_ids == alone[2]
+    assert llm.cache.pool.num_free == llm.cache.pool.num_pages
+    assert llm.cache.num_free_slots == 2

@@ -6,7 +6,9 @@
   every format, head dim 64 and 128, GQA groups 1, 4 and 7, lengths that are not multiples of
   128, shuffled pool pages behind strided page-table and tier views, batch rows of very
   different lengths, several queries per row, split-K with empty splits; every output and
-  workspace poisoned with NaN (attention) or garbage (pages) first.
+  workspace poisoned with NaN (attention) or garbage (pages) first;
+- the Triton RMSNorm, RoPE and SiLU-gate kernels against their torch expressions, on strided
+  views and sizes that are not powers of two, in float32 and (rounding order) float16.
 
 Without a GPU the kernels run under the Triton interpreter in float32 (relative error < 1e-3);
 with one they are compiled and fed fp16 operands (< 1e-2). TRITON_INTERPRET must be set
@@ -27,7 +29,7 @@ import quant  # noqa: E402
 from quant.kvmix import kvmix_format  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels import attention, quantize, reference  # noqa: E402
+from kernels import attention, elementwise, quantize, reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.float16 if CUDA else torch.float32  # q / dot operand type
@@ -276,3 +278,33 @@ def test_backend_choice():
     assert kernels.pick_backend(torch.device("cpu"), "triton") == "triton"
     with pytest.raises(ValueError, match="unknown kernel backend"):
         kernels.pick_backend(torch.device("cpu"), "cuda")
+
+
+ELEMENTWISE_DTYPES = [torch.float16] if CUDA else [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_elementwise_kernels_match_torch(dtype, head_dim):
+    """One kernel each for the model's RMSNorm, RoPE and SiLU gate, equal to the torch expressions
+    they replace up to one rounding of the output (float32: op order only)."""
+    g = torch.Generator().manual_seed(11)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+    x, w = rand(3, 5, 100), rand(100)  # rows of a size that is not a power of two
+    torch.testing.assert_close(elementwise.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), **tol)
+
+    B, H, T = 2, 3, 4
+    q = rand(B, T, H, head_dim).transpose(1, 2)  # the projection's view: heads not outermost
+    angles = torch.rand(B, 1, T, head_dim // 2, generator=g).to(DEVICE) * 6
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    got = elementwise.apply_rope(q, cos, sin)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, reference.apply_rope(q, cos, sin), **tol)
+
+    gate, up = rand(3, 2500), rand(3, 2500)  # more than one block, a partial last one
+    torch.testing.assert_close(elementwise.silu_mul(gate, up), reference.silu_mul(gate, up), **tol)

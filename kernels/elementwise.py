@@ -1,0 +1,100 @@
+"""Triton kernels for the model's per-token arithmetic between the matmuls: RMSNorm, RoPE and
+the SiLU gate, each one kernel instead of the 2 to 8 that the torch expressions launch.
+
+A decode step of a 32-layer model otherwise runs over a thousand such tiny kernels; inside a
+CUDA graph each still costs a couple of microseconds, which at batch 1 is a large share of a
+step whose floor is reading the weights once. The torch versions in kernels/reference.py are
+the oracle and the off-GPU path; rounding follows them: arithmetic in fp32, rounded to the
+activation dtype where the torch expression rounds (the normalised row before its weight,
+SiLU before the product).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from torch import Tensor
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim of x (any leading shape)."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n).contiguous()
+    out = torch.empty_like(rows)
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, n, eps, BLOCK=block, num_warps=min(8, max(1, block // 512)))
+    return out.view(x.shape)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, T, sx_b, sx_h, sx_t, sc_b, sc_t, HALF: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # one (batch, head, token) row
+    t, h, b = pid % T, (pid // T) % H, pid // (T * H)
+    i = tl.arange(0, BLOCK)
+    mask = i < HALF
+    x = x_ptr + b * sx_b + h * sx_h + t * sx_t
+    x1 = tl.load(x + i, mask=mask).to(tl.float32)
+    x2 = tl.load(x + HALF + i, mask=mask).to(tl.float32)
+    c = cos_ptr + b * sc_b + t * sc_t
+    s = sin_ptr + b * sc_b + t * sc_t
+    out = out_ptr + pid * 2 * HALF
+    ty = out_ptr.dtype.element_ty
+    y1 = x1 * tl.load(c + i, mask=mask).to(tl.float32) - x2 * tl.load(s + i, mask=mask).to(tl.float32)
+    y2 = x2 * tl.load(c + HALF + i, mask=mask).to(tl.float32) + x1 * tl.load(s + HALF + i, mask=mask).to(tl.float32)
+    tl.store(out + i, y1.to(ty), mask=mask)
+    tl.store(out + HALF + i, y2.to(ty), mask=mask)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, D] (any strides, last dim contiguous) rotated by cos/sin [B, 1, T, D];
+    a contiguous [B, H, T, D] result."""
+    B, H, T, D = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.expand(B, 1, T, D), sin.expand(B, 1, T, D)
+    if cos.stride(-1) != 1 or cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(B, H, T, D, dtype=x.dtype, device=x.device)
+    half = D // 2
+    _rope_kernel[(B * H * T,)](x, cos, sin, out, H, T, x.stride(0), x.stride(1), x.stride(2),
+                               cos.stride(0), cos.stride(2), HALF=half, BLOCK=triton.next_power_of_2(half),
+                               num_warps=1)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_ptr + offs, mask=mask).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask).to(tl.float32)
+    ty = out_ptr.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+    tl.store(out_ptr + offs, (act * u).to(ty), mask=mask)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """SiLU(gate) * up, elementwise (the gated MLP's activation)."""
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    block = 1024
+    _silu_mul_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block, num_warps=4)
+    return out
+
+
+INTERPRETED = isinstance(_rms_norm_kernel, InterpretedFunction)
