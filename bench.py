@@ -14,6 +14,7 @@ depend on the values, and no 8B checkpoint can reach the GPU machine.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -252,7 +253,7 @@ def cmd_speed(args) -> None:
     wbytes = weight_bytes_per_step(model)
     for method in tqdm(methods, desc="methods", file=sys.stderr):
         for b in batches:
-            torch.cuda.empty_cache()
+            _free_gpu()
             torch.cuda.reset_peak_memory_stats()
             llm = speed_llm(model, method, b, args.prompt + args.new, args)
             run_engine(llm, b, args.prompt, 4)  # warm-up on the same shapes: kernels compile, graphs capture
@@ -326,7 +327,7 @@ def cmd_capacity(args) -> None:
         row = dict(bench="capacity", config=args.config, method=method, ctx=args.ctx, budget_gb=args.budget_gb,
                    max_seqs=int(n), bytes_per_seq=per_seq, device=torch.cuda.get_device_name())
         if n and not args.no_decode:
-            torch.cuda.empty_cache()
+            _free_gpu()
             llm = LLM(loaded=(model, None), kv=method, device="cuda", max_batch=int(n), sink=args.sink,
                       window=args.window, kernels=args.kernels,
                       num_pages=int(n) * pages_for(args.ctx + args.new, sink, args.window))
@@ -351,7 +352,7 @@ def synthetic_decode(llm: LLM, batch: int, ctx: int, steps: int) -> float:
     """Median decode step time of `batch` sequences whose first ctx tokens are random KV, run by
     the engine's own loop (a step's wall time is the GPU's once the pipeline is full)."""
     cache = llm.cache
-    params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
     with torch.no_grad():
         for layer in range(cache.n_layers):
             cache.dense_k[layer].normal_()
@@ -361,8 +362,8 @@ def synthetic_decode(llm: LLM, batch: int, ctx: int, steps: int) -> float:
                     _fill_random(t, name)
         llm.last_tokens.random_(0, llm.config.vocab_size)
     for i in range(batch):
-        # A request as if its ctx-token prompt had been prefilled and its first token sampled.
-        req = Request(i, [0] * ctx, params, slot=cache.admit(ctx + steps + 1), n_sampled=1)
+        # A request as if its ctx-token prompt had been prefilled and its first token read.
+        req = Request(i, [0] * ctx, params, output_ids=[0], slot=cache.admit(ctx + steps), n_sampled=1)
         cache.lengths[req.slot] = ctx
         cache.seq_lens[req.slot] = ctx
         llm.running.append(req)
@@ -373,6 +374,13 @@ def synthetic_decode(llm: LLM, batch: int, ctx: int, steps: int) -> float:
         times.append(time.perf_counter() - t0)
     times = times[2:-1]  # graph capture; the last step only reads tokens
     return sorted(times)[len(times) // 2]
+
+
+def _free_gpu() -> None:
+    """Return the previous run's GPU memory before the next one is measured: an LLM holds its
+    decode graphs, which hold its bound forward, a reference cycle that only the collector frees."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _fill_random(t: torch.Tensor, name: str) -> None:

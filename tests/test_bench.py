@@ -1,11 +1,12 @@
-"""bench.py quality's teacher forcing against HF transformers' full forward on a tiny model."""
+"""bench.py on a tiny model: quality's teacher forcing against HF transformers' full forward, and
+the capacity bench's synthetic decode against the token counts it must produce."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench import teacher_forced_logprobs
+from bench import synthetic_decode, teacher_forced_logprobs
 from engine import LLM
 from tests.tiny_models import make_tiny_model
 
@@ -25,3 +26,16 @@ def test_teacher_forced_logprobs_match_a_full_forward(tmp_path, block):
     assert ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, atol=2e-3, rtol=0)
     assert llm.cache.pool.num_free == llm.cache.pool.num_pages
+
+
+def test_synthetic_decode_runs_the_engine_loop_to_the_end(tmp_path):
+    """Sequences that pretend to hold ctx tokens decode `steps` tokens each through the engine's
+    own loop, and then leave the cache empty."""
+    make_tiny_model("llama", tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", kv_budget_gb=0.05, max_batch=3, sink=4, window=8, progress=False)
+    ctx, steps = 300, 7
+    seconds = synthetic_decode(llm, 3, ctx, steps)
+    assert seconds > 0
+    assert llm.timing["decode_steps"] == steps - 1 and llm.timing["decode_tokens"] == 3 * (steps - 1)
+    assert not llm.has_work()
+    assert llm.cache.pool.num_free == llm.cache.pool.num_pages and llm.cache.num_free_slots == 3
