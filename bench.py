@@ -14,7 +14,6 @@ depend on the values, and no 8B checkpoint can reach the GPU machine.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import sys
@@ -253,7 +252,7 @@ def cmd_speed(args) -> None:
     wbytes = weight_bytes_per_step(model)
     for method in tqdm(methods, desc="methods", file=sys.stderr):
         for b in batches:
-            _free_gpu()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             llm = speed_llm(model, method, b, args.prompt + args.new, args)
             run_engine(llm, b, args.prompt, 4)  # warm-up on the same shapes: kernels compile, graphs capture
@@ -327,7 +326,7 @@ def cmd_capacity(args) -> None:
         row = dict(bench="capacity", config=args.config, method=method, ctx=args.ctx, budget_gb=args.budget_gb,
                    max_seqs=int(n), bytes_per_seq=per_seq, device=torch.cuda.get_device_name())
         if n and not args.no_decode:
-            _free_gpu()
+            torch.cuda.empty_cache()
             llm = LLM(loaded=(model, None), kv=method, device="cuda", max_batch=int(n), sink=args.sink,
                       window=args.window, kernels=args.kernels,
                       num_pages=int(n) * pages_for(args.ctx + args.new, sink, args.window))
@@ -374,13 +373,6 @@ def synthetic_decode(llm: LLM, batch: int, ctx: int, steps: int) -> float:
         times.append(time.perf_counter() - t0)
     times = times[2:-1]  # graph capture; the last step only reads tokens
     return sorted(times)[len(times) // 2]
-
-
-def _free_gpu() -> None:
-    """Return the previous run's GPU memory before the next one is measured: an LLM holds its
-    decode graphs, which hold its bound forward, a reference cycle that only the collector frees."""
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _fill_random(t: torch.Tensor, name: str) -> None:

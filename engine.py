@@ -118,7 +118,7 @@ class LLM:
         # The last sampled token of each cache slot (the extra row is the cache's scratch slot):
         # a decode step reads its input ids here, on the device.
         self.last_tokens = torch.zeros(max_batch + 1, dtype=torch.long, device=self.device)
-        self.graphs = DecodeGraphs(self._decode_forward, self.cache, max_batch) if use_graphs else None
+        self.graphs = DecodeGraphs(self.cache, max_batch) if use_graphs else None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -224,11 +224,11 @@ class LLM:
         slots = [r.slot for r in reqs]
         B = len(reqs)
         if self.graphs:
-            rows = self.graphs.bucket(B)
-            self.cache.begin_step(slots, 1, rows, graphed=True)
+            rows = self.graphs.bucket(B, self._decode_forward)
+            self.cache.begin_step(slots, 1, rows, deferred=True)
             logits, tokens = self.graphs.replay(rows)
         else:
-            self.cache.begin_step(slots, 1, graphed=True)
+            self.cache.begin_step(slots, 1, deferred=True)
             logits, tokens = self._decode_forward(B)
         slots_t = self.cache.step_slots
         self.cache.end_step()
@@ -314,19 +314,22 @@ class DecodeGraphs:
     """One CUDA graph per batch-size bucket for the decode forward, so a step is one replay
     instead of hundreds of kernel launches from Python. The graph reads everything from fixed
     device buffers (last tokens, slots, lengths; begin_step refreshes the slots when they
-    change) and a batch smaller than its bucket is padded with the cache's scratch slot."""
+    change) and a batch smaller than its bucket is padded with the cache's scratch slot.
+    The forward is passed at capture, not kept: holding the LLM's bound method would make a
+    reference cycle that keeps a dropped LLM's GPU memory alive until the garbage collector runs."""
 
-    def __init__(self, forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]], cache, max_batch: int):
-        self.forward, self.cache = forward, cache
+    def __init__(self, cache, max_batch: int):
+        self.cache = cache
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = None
 
-    def bucket(self, batch: int) -> int:
-        """The rows of the graph that runs a batch, captured on first use (before begin_step)."""
+    def bucket(self, batch: int, forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """The rows of the graph that runs a batch; on first use, `forward(rows)` is captured
+        (before the caller's begin_step)."""
         rows = next(b for b in self.buckets if b >= batch)
         if rows not in self.graphs:
-            self._capture(rows)
+            self._capture(rows, forward)
         return rows
 
     def replay(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,17 +338,17 @@ class DecodeGraphs:
         graph.replay()
         return outputs
 
-    def _capture(self, rows: int) -> None:
-        self.cache.begin_step([], 1, rows=rows, graphed=True)  # every row on the scratch slot
+    def _capture(self, rows: int, forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.cache.begin_step([], 1, rows=rows, deferred=True)  # every row on the scratch slot
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels
             for _ in range(2):
-                self.forward(rows)
+                forward(rows)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.forward(rows)
+            outputs = forward(rows)
         self.pool = graph.pool()
         self.graphs[rows] = (graph, outputs)
 

@@ -57,6 +57,14 @@ def _triton_module(name: str, device: torch.device) -> ModuleType:
     return module
 
 
+def _implementation(triton_module: str, device: torch.device, backend: str | None) -> ModuleType:
+    """Where a kernel's function lives for this device: reference.py, or the Triton module of
+    the same function names."""
+    if pick_backend(device, backend) == "torch":
+        return reference
+    return _triton_module(triton_module, device)
+
+
 def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[str, Tensor],
                      page_table: Tensor, n_pages: Tensor,
                      sink_k: Tensor, sink_v: Tensor, n_sink: Tensor,
@@ -67,9 +75,7 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
     slots / window / return_lse: see reference.decode_attention."""
     args = (q, fmt, k_pages, v_pages, page_table, n_pages, sink_k, sink_v, n_sink, recent_k, recent_v, n_recent, scale)
     opts = dict(slots=slots, window=window, return_lse=return_lse)
-    if pick_backend(q.device, backend) == "torch":
-        return reference.decode_attention(*args, **opts)
-    return _triton_module("attention", q.device).decode_attention(*args, **opts)
+    return _implementation("attention", q.device, backend).decode_attention(*args, **opts)
 
 
 def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor,
@@ -83,23 +89,17 @@ def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Ten
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str | None = None) -> Tensor:
     """RMSNorm over the last dim of x."""
-    if pick_backend(x.device, backend) == "torch":
-        return reference.rms_norm(x, weight, eps)
-    return _triton_module("elementwise", x.device).rms_norm(x, weight, eps)
+    return _implementation("elementwise", x.device, backend).rms_norm(x, weight, eps)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, backend: str | None = None) -> Tensor:
     """Rotary embedding of x [B, H, T, D] by cos/sin [B, 1, T, D] (rotate_half convention)."""
-    if pick_backend(x.device, backend) == "torch":
-        return reference.apply_rope(x, cos, sin)
-    return _triton_module("elementwise", x.device).apply_rope(x, cos, sin)
+    return _implementation("elementwise", x.device, backend).apply_rope(x, cos, sin)
 
 
 def silu_mul(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
     """SiLU(gate) * up."""
-    if pick_backend(gate.device, backend) == "torch":
-        return reference.silu_mul(gate, up)
-    return _triton_module("elementwise", gate.device).silu_mul(gate, up)
+    return _implementation("elementwise", gate.device, backend).silu_mul(gate, up)
 
 
 merge_partials = reference.merge_partials

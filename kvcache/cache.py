@@ -138,13 +138,14 @@ class KVCache:
 
     # ---- one forward -----------------------------------------------------------------------
 
-    def begin_step(self, slots: list[int], n_new: int, rows: int | None = None, *, graphed: bool = False) -> None:
+    def begin_step(self, slots: list[int], n_new: int, rows: int | None = None, *, deferred: bool = False) -> None:
         """The next forward feeds n_new tokens to each of these slots (1 = a decode step).
         rows > len(slots) pads the batch with scratch rows (CUDA-graph batch buckets).
 
         This is the host half of a step: it checks the reservation and uploads the slots, only
         when they changed since the last step. The device half, step_on_device, reads the
-        lengths on the GPU; it runs here unless `graphed`, when a CUDA graph replays it."""
+        lengths on the GPU; it runs here unless `deferred`: then the caller's forward runs it,
+        so that a CUDA graph of that forward replays it."""
         for s in slots:
             if self.lengths[s] + n_new > self._reserved[s]:
                 raise ValueError(f"slot {s} was admitted for {self._reserved[s]} tokens; "
@@ -155,7 +156,7 @@ class KVCache:
             self._step_slots[:rows].copy_(to_device(padded, self.device), non_blocking=True)
             self._uploaded_slots = padded
         self._step = _Step(slots, n_new, self._step_slots[:rows], self._step_counts[:, :, :rows])
-        if not graphed:
+        if not deferred:
             self.step_on_device()
 
     def step_on_device(self) -> torch.Tensor:
