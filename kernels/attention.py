@@ -1,38 +1,59 @@
 """Triton paged decode attention over the three tiers (FP16 sink, quantized pages, FP16 recent).
 
-One program per (batch row, kv head, split, block of q rows). Splits 0 .. num_splits-1 each walk a
-contiguous range of the row's pages (split-K over the context); the last two splits attend over
-the FP16 sink and recent tiers. Every program serves all q heads of its kv head (GQA) and all
-queries of the row as the M rows of one tile (blocks of 64 rows when a long query block makes M
-larger), so each page is read once per kv head (and row block). The softmax is online (base 2);
-each program writes its normalized partial output and log-sum-exp, and a second tiny kernel
-merges them. Only those partials, never logits or dequantized K/V, go through global memory.
+One program per (batch row, kv head, part, block of query rows). Parts 0 and 1 attend over the
+FP16 sink and recent tiers (first, so that they start with the first wave of programs instead of
+trailing the last); parts 2 .. num_splits + 1 are page splits that share out the row's pages
+(split-K over the context: each takes a contiguous run of ceil(pages / num_splits) of them, at
+least MIN_PAGES_PER_SPLIT, counted from the row's own page count, so a short row is spread as
+thinly as a long one and the splits past its end stay empty). A second small kernel
+merges the splits' normalized partial outputs by their log-sum-exp. With a single program per
+(row, kv head, query block), `num_splits=0` (the default wherever one split would do), that
+program walks the pages, the sink and the recent tier itself and writes the final output: no
+partials, no merge.
 
-How a page is read (kernels/layout.py describes every format with one set of constants): every
-format decodes as x = (level(code) * scale + zero) * mult, with scale/zero along one axis (channel
-or token) and mult along the other. Those factors are never applied to the [tokens, D] tile:
-channel factors fold into q (keys) or the output row (values) once per page, token factors into
-the logits (keys) or the softmax weights (values) once per block, so the only per-element work is
-turning codes into levels, which for RTN codes on the GPU is a few bit operations per four codes
-(_UNPACK_ASM). The levels go to tl.dot (tensor cores) against the folded q and weights.
+Orientation: tokens on M, query rows on N. Every q head of the kv head (GQA) and every query of
+the row is a column of one [D, N] operand, so each page is read once per kv head and the matrix
+products are [tokens, D] x [D, N] (logits, transposed) and [D, tokens] x [tokens, N] (output,
+transposed); N is the query rows rounded up to the MMA's width, not to 16 rows of padding
+in M.
+
+Dequantization, in registers. Codes are packed along tokens in "slots" (quant/rtn.py): byte row
+i of a 2-bit plane holds tokens i, i+32, i+64, i+96 at bits 0-1, 2-3, 4-5, 6-7. Each step takes
+one slot of one block of rows. OR-ing the fp16 exponent of 2^(10 - bits*slot) into a 16-bit half
+that holds the byte turns it, bit-exactly, into the number 2^(10 - bits*slot) + code (the code's
+bits land at the bottom of the mantissa of that binade): one lop3 per two codes, after a prmt
+that spreads four bytes over two registers (_slot_asm). The offset never gets subtracted from
+the tile; it is removed algebraically from the products, which is cheap because it is constant
+along the reduced axis:
+    keys    sum_d qf[d] (off + c[t, d]) = (qf . c[t]) + off * sum_d qf[d]
+    values  sum_t w[t] (off + c[t, d])  = (w . c[:, d]) + off * sum_t w[t]
+with qf and w the fp16-rounded operands, so the subtraction cancels exactly what the tensor cores
+added. NF4 levels come from byte-permute lookups in a split fp16 table (_nf4_asm).
+
+Scales never touch the tile either: every format decodes as x = (level * scale + zero) * mult
+with scale/zero along one axis (channel or token) and mult along the other (kernels/layout.py).
+Channel factors fold into q (keys) or into the step's output (values); token factors scale the
+logits (keys) or the softmax weights (values). Kitty's boosted channels add one more small
+product per step: their high-bit plane against q gathered at the boosted ids (x 4 x scale).
 
 The cache's extras: `slots` (batch row b reads slot slots[b] of the page table and the dense
 buffers), a sliding `window` (tokens older than a query's window are masked, whole pages of
-them skipped) and `return_lse` (the merge also writes each query's log-sum-exp).
-Rotated formats (KVarN): the page splits use fmt.rotate(q) and rotate their partial output
-back (one [M, D] x [D, D] product per program) before the merge.
+them skipped) and `return_lse` (also each query's log-sum-exp). Rotated formats (KVarN): the
+pages see fmt.rotate(q) and their partial output is rotated back before the merge.
 The torch oracle with the same signature is kernels/reference.py.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import constexpr_function
 
 from quant import PAGE_TOKENS
 
@@ -41,62 +62,88 @@ from .layout import Layout, layout, nf4_levels
 LOG2E = 1.4426950408889634
 
 
-# A packed byte's code of one slot -> float16 without an int->float conversion instruction (on
-# Hopper those issue at a quarter of the ALU rate, and a 2-bit page needs one per element): shift
-# the slot's bits down, spread bytes 0,1 and 2,3 of the 32-bit word into the 16-bit halves of two
-# registers, keep the code bits and OR in the exponent of 1024.0, so each half reads as the fp16
-# number 1024 + code ((a & b) | c is one lop3, truth table 0xea); subtracting 1024 two halves at
-# a time leaves the code, exactly.
-# Operands: $0, $1 the four fp16 results; $2 four packed bytes; $3..$6 the shift; $7..$10 the mask.
-_UNPACK_ASM = tl.constexpr("""{
-.reg .b32 w, lo, hi, magic;
-mov.b32 magic, 0x64006400;
-shr.b32 w, $2, $3;
-prmt.b32 lo, w, 0, 0x4140;
-prmt.b32 hi, w, 0, 0x4342;
-lop3.b32 lo, lo, $7, magic, 0xea;
-lop3.b32 hi, hi, $7, magic, 0xea;
-sub.f16x2 $0, lo, magic;
-sub.f16x2 $1, hi, magic;
-}""")
+@constexpr_function
+def _slot_offset(bits, slot):
+    """The number an RTN code of this slot reads as after the magic OR: level = offset + code."""
+    return float(2 ** (10 - bits * slot))
+
+
+@constexpr_function
+def _tile_offset(bits, rows, step, t0, nf4):
+    """The offset _tile's levels carry for the step starting at token t0 (0: plain values)."""
+    if nf4 or bits == 16 or rows % step:
+        return 0.0
+    return float(2 ** (10 - bits * (t0 // rows)))
+
+
+@constexpr_function
+def _slot_asm(bits, slot):
+    """PTX: four packed bytes -> the fp16 numbers offset + code of their slot `slot` (RTN codes).
+    prmt spreads bytes 0,1 and 2,3 into the 16-bit halves of two registers; one lop3 each keeps
+    the slot's bits in place and ORs in the exponent of 2^(10 - bits*slot) ((a & b) | c: 0xea)."""
+    mask = ((1 << bits) - 1) << (bits * slot)
+    magic = (25 - bits * slot) << 10
+    return (
+        "{\n.reg .b32 lo, hi;\n"
+        "prmt.b32 lo, $2, 0, 0x4140;\n"
+        "prmt.b32 hi, $2, 0, 0x4342;\n"
+        f"lop3.b32 $0, lo, {mask | mask << 16:#x}, {magic | magic << 16:#x}, 0xea;\n"
+        f"lop3.b32 $1, hi, {mask | mask << 16:#x}, {magic | magic << 16:#x}, 0xea;\n}}"
+    )
+
+
+def _nf4_lookup_asm(slot: int) -> str:
+    """PTX: four packed bytes -> the fp16 NF4 levels of their 4-bit codes in slot `slot`, by
+    byte-permute lookups: prmt indexes 8 bytes with 3 bits, so the low and high bytes of the 16
+    fp16 levels are four 8-entry tables (codes 0-7 and 8-15), and bit 3 of each code picks between
+    the two lookups (a byte mask made by prmt's sign-replicate mode)."""
+    bits = [int(b) & 0xFFFF for b in nf4_levels(torch.device("cpu")).half().view(torch.int16).tolist()]
+    lo, hi = [b & 0xFF for b in bits], [b >> 8 for b in bits]
+
+    def word(table, first):  # bytes first..first+3 of a table, little-endian
+        return sum(table[first + i] << (8 * i) for i in range(4))
+
+    shift = f"shr.b32 c, $2, {4 * slot};\n" if slot else "mov.b32 c, $2;\n"
+    return (
+        "{\n.reg .b32 c, t, s, m, la, lb, ha, hb, lo, hi;\n" + shift +
+        "and.b32 c, c, 0x0F0F0F0F;\n"  # codes c0..c3, one per byte
+        "shr.b32 t, c, 4;\n"
+        "or.b32 t, c, t;\n"  # byte 0 = c0 | c1 << 4, byte 2 = c2 | c3 << 4
+        "prmt.b32 s, t, 0, 0x0020;\n"  # selector nibbles c0, c1, c2, c3
+        "and.b32 s, s, 0x7777;\n"  # 3-bit indices (bit 3 would switch prmt to sign mode)
+        "shl.b32 m, c, 4;\n"
+        "prmt.b32 m, m, 0, 0xBA98;\n"  # byte k = 0xFF where c_k >= 8
+        f"prmt.b32 la, {word(lo, 0):#x}, {word(lo, 4):#x}, s;\n"
+        f"prmt.b32 lb, {word(lo, 8):#x}, {word(lo, 12):#x}, s;\n"
+        f"prmt.b32 ha, {word(hi, 0):#x}, {word(hi, 4):#x}, s;\n"
+        f"prmt.b32 hb, {word(hi, 8):#x}, {word(hi, 12):#x}, s;\n"
+        "lop3.b32 lo, m, lb, la, 0xca;\n"  # m ? lb : la
+        "lop3.b32 hi, m, hb, ha, 0xca;\n"
+        "prmt.b32 $0, lo, hi, 0x5140;\n"  # fp16 levels 0, 1
+        "prmt.b32 $1, lo, hi, 0x7362;\n}"  # fp16 levels 2, 3
+    )
+
+
+NF4_ASM = tl.constexpr(tuple(_nf4_lookup_asm(slot) for slot in range(2)))
 
 
 @triton.jit
-def _plane_rows(CODES, page, h, rows, d, H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
-    """Raw rows [len(rows), D] of kv head h's code plane (fp16 values when unquantized) in page `page` (int64)."""
-    return tl.load(CODES + page * (H * ROWS * D) + h * (ROWS * D) + rows[:, None] * D + d[None, :])
-
-
-@triton.jit
-def _high_rows(HIGH, page, h, rows, r, H: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr):
-    """Kitty: raw rows [len(rows), NB_PAD] of the sparse high plane [H, ROWS, NB] (columns past NB read 0)."""
-    return tl.load(HIGH + page * (H * ROWS * NB) + h * (ROWS * NB) + rows[:, None] * NB + r[None, :],
-                   mask=r[None, :] < NB, other=0)
-
-
-@triton.jit
-def _levels(raw, t0, t, LEVELS, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
-            NF4: tl.constexpr, ASM: tl.constexpr):
-    """level(code) [BLOCK_T, cols] of tokens t = t0 + arange(BLOCK_T), given their code rows raw
-    (rows t % ROWS; the fp16 values themselves when BITS == 16): float16 or float32."""
-    mask = (1 << BITS) - 1
-    if BITS == 16:
-        x = raw
-    elif ASM and (ROWS % BLOCK_T == 0) and (not NF4) and (BITS != 3):
-        # the block lies in one slot of its rows: one shift for the whole tile
-        x = tl.inline_asm_elementwise(
-            _UNPACK_ASM, "=r,=r,r,r,r,r,r,r,r,r,r",
-            [raw, tl.full(raw.shape, BITS * (t0 // ROWS), tl.int32), tl.full(raw.shape, mask | mask << 16, tl.int32)],
-            dtype=tl.float16, is_pure=True, pack=4)
+def _levels(raw, LEVELS, BITS: tl.constexpr, SLOT: tl.constexpr, NF4: tl.constexpr, ASM: tl.constexpr):
+    """fp16 (ASM) or fp32 values of slot SLOT of the packed bytes `raw`: offset + code for RTN codes
+    (_slot_offset), the level itself for NF4. The compiled path is one pure single-input asm per
+    tile, so Triton keeps the result in registers as a dot operand."""
+    if ASM:
+        if NF4:
+            x = tl.inline_asm_elementwise(NF4_ASM[SLOT], "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            x = tl.inline_asm_elementwise(_slot_asm(BITS, SLOT), "=r,=r,r", [raw], dtype=tl.float16, is_pure=True,
+                                          pack=4)
     else:
-        if ROWS % BLOCK_T == 0:
-            code = (raw.to(tl.int32) >> (BITS * (t0 // ROWS))) & mask
-        else:  # 3-bit words hold 10 tokens, or a block spans slots: each row has its own shift
-            code = (raw.to(tl.int32) >> (BITS * (t // ROWS))[:, None]) & mask
+        code = (raw.to(tl.int32) >> (BITS * SLOT)) & ((1 << BITS) - 1)
         if NF4:
             x = tl.load(LEVELS + code)
         else:
-            x = code.to(tl.float32)
+            x = code.to(tl.float32) + _slot_offset(BITS, SLOT)
     return x
 
 
@@ -114,12 +161,45 @@ def _channel_factor(PTR, page, h, d, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr)
 
 
 @triton.jit
+def _rows(base, rows, c, c_ok, COLS: tl.constexpr, MASKED: tl.constexpr):
+    """Rows of a [ROWS, COLS] plane at columns c; c_ok masks padded columns (Kitty's high plane,
+    MASKED); full-width planes need no mask."""
+    if MASKED:
+        return tl.load(base + rows[:, None] * COLS + c[None, :], mask=c_ok[None, :], other=0)
+    return tl.load(base + rows[:, None] * COLS + c[None, :])
+
+
+@triton.jit
+def _tile(CODES, page, h, t, c, c_ok, LEVELS, t0: tl.constexpr, STEP: tl.constexpr, H: tl.constexpr,
+          COLS: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, NF4: tl.constexpr,
+          ASM: tl.constexpr, raw, PRELOADED: tl.constexpr):
+    """Tokens t = t0 + arange(STEP), columns c (c_ok: the ones that exist) of a page's [H, ROWS,
+    COLS] plane as a [STEP, len(c)] tile of levels carrying _tile_offset. With PRELOADED, `raw`
+    holds the step's rows of the plane already."""
+    base = CODES + page * (H * ROWS * COLS) + h * (ROWS * COLS)
+    if BITS == 16:  # fp16 pages: rows are tokens (only K and V planes: no column mask)
+        x = tl.load(base + t[:, None] * COLS + c[None, :])
+    elif ROWS % STEP == 0:  # the step lies in one slot of a block of rows: a constant shift
+        if not PRELOADED:
+            raw = _rows(base, t % ROWS, c, c_ok, COLS, MASKED)
+        x = _levels(raw, LEVELS, BITS, t0 // ROWS, NF4, ASM)
+    else:  # a step across slots, or 3-bit words (10 tokens in ceil(T/10) rows): a shift per token
+        raw = _rows(base, t % ROWS, c, c_ok, COLS, MASKED)
+        code = (raw.to(tl.int32) >> (BITS * (t // ROWS))[:, None]) & ((1 << BITS) - 1)
+        if NF4:
+            x = tl.load(LEVELS + code)
+        else:
+            x = code.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _grouped(x, SCALE, ZERO, page, h, t, d, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, S_TOK: tl.constexpr,
-             HDIV: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
-    """level * scale + zero for scales per (token, group of channels), which do not fold into q or
-    p: decoded element by element (options only, e.g. v_group=16; no preset uses them)."""
+             HDIV: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, OFF: tl.constexpr):
+    """(level - offset) * scale + zero for scales per (token, group of channels), which fold into
+    neither operand: decoded element by element (options only, e.g. v_group=16; no preset)."""
     off = page * S_PAGE + (h // HDIV) * S_HEAD + t[:, None] * S_TOK + d[None, :] // GROUP
-    x = x.to(tl.float32) * tl.load(SCALE + off).to(tl.float32)
+    x = (x.to(tl.float32) - OFF) * tl.load(SCALE + off).to(tl.float32)
     if HAS_ZERO:
         x += tl.load(ZERO + off).to(tl.float32)
     return x
@@ -127,26 +207,229 @@ def _grouped(x, SCALE, ZERO, page, h, t, d, S_PAGE: tl.constexpr, S_HEAD: tl.con
 
 @triton.jit
 def _softmax_step(s, m_i, l_i):
-    """Fold a block of base-2 logits s [M, N] into the running max m and sum l; returns them with
-    the factor alpha for the old accumulator and the block's weights p. A row whose logits are
-    all -inf so far (sliding window) keeps m = -inf, l = 0."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    """Fold a block of base-2 logits s [tokens, N] into the running max m [N] and sum l [N];
+    returns them with the factor alpha for the old accumulator and the block's weights p. A
+    column whose logits are all -inf so far (sliding window) keeps m = -inf, l = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, 0))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # avoids -inf - -inf = NaN
     alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
+    p = tl.exp2(s - m_ref[None, :])
+    return m_new, l_i * alpha + tl.sum(p, 0), alpha, p
+
+
+# The page loop lets the running max lag: weights are 2^(s - m) against a max m that is only
+# raised (rescaling the accumulators) once a logit exceeds it by more than this many powers of
+# two. Weights stay <= 2^LAZY_MAX (far inside fp16), and most steps of a long context skip the
+# rescale of the [D, N] accumulator (the trick of FlashAttention-4).
+LAZY_MAX = tl.constexpr(8.0)
+
+
+@triton.jit
+def _dense_tier(q, m_i, l_i, acc, k_base, v_base, s_t, n, first, q_pos, window, d, qk_scale, dt: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, STEP: tl.constexpr):
+    """Attention over n FP16 tokens at k_base/v_base (token stride s_t) whose first sits at
+    position `first`, folded into the running (m, l, acc [D, N])."""
+    qf = (q * qk_scale).to(dt)
+    for t0 in range(0, n, STEP):
+        t = t0 + tl.arange(0, STEP)
+        ok = t < n
+        off = t[:, None] * s_t + d[None, :]
+        k = tl.load(k_base + off, mask=ok[:, None], other=0.0).to(dt)
+        seen = ok[:, None]
+        if HAS_WINDOW:
+            seen = seen & (q_pos[None, :] - (first + t)[:, None] < window)
+        s = tl.where(seen, tl.dot(k, tl.trans(qf)), float("-inf"))
+        m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
+        v = tl.load(v_base + off, mask=ok[:, None], other=0.0).to(dt)
+        acc = tl.dot(tl.trans(v), p.to(dt), acc * alpha[None, :])
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d, q_pos, window,
+           pos0, qk_scale, LEVELS,
+           K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, V_CODES, V_SCALE, V_ZERO, V_MULT,
+           dt: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_T: tl.constexpr,
+           STEP: tl.constexpr, ROWS: tl.constexpr, NB_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+           ASM: tl.constexpr, K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
+           K_S_HEAD: tl.constexpr, K_S_TOK: tl.constexpr, K_HDIV: tl.constexpr, K_GROUP: tl.constexpr,
+           K_HAS_ZERO: tl.constexpr, K_MULT_KIND: tl.constexpr, K_NF4: tl.constexpr, K_N_HIGH: tl.constexpr,
+           V_BITS: tl.constexpr, V_ROWS: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_S_PAGE: tl.constexpr,
+           V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
+           V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr):
+    """Attention of the query rows q [N, D] over the quantized pages [p0, p1) of a row: the running
+    max m [N] (it may lag behind the true max, see LAZY_MAX), the sum l [N] of the weights, the
+    unnormalized output acc [D, N] (transposed), and corr [N]: what acc still holds of the value
+    offsets (and zeros), to subtract before normalizing. Sums over tokens are kept per [STEP, N]
+    position and reduced once at the end."""
+    # finite start: a masked (-inf) logit then weighs exp2(-inf) = 0, never NaN
+    m_i = tl.full([BLOCK_N], -1e30, tl.float32)
+    acc = tl.zeros([D, BLOCK_N], tl.float32)
+    l_tile = tl.zeros([STEP, BLOCK_N], tl.float32)
+    corr_tile = tl.zeros([STEP, BLOCK_N], tl.float32)
+    rs = tl.arange(0, STEP)
+    r = tl.arange(0, NB_PAD)
+    r_ok = r < K_N_HIGH
+    # value factors that live outside the [D, N] accumulator's running sum: per-channel scales
+    # (or KVarN's per-channel multiplier) differ from page to page, so those steps keep their product apart
+    V_APART: tl.constexpr = (not V_PER_TOKEN and V_BITS != 16) or V_MULT_KIND == 2
+    page_next = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0).to(tl.int64)
+    for p in tl.range(p0, p1):
+        page = page_next  # the next page's id is read a page ahead: its codes' addresses are ready at once
+        page_next = tl.load(PT + slot * s_pt_b + (p + 1) * s_pt_p, mask=p + 1 < p1, other=0).to(tl.int64)
+        # ---- keys: fold the channel factors into q once per page --------------------------------
+        #   per channel: s = mult_t * ((q * scale) . level_t - off * sum(q * scale) + q . zero)
+        #   per token:   s = scale_t * ((q * mult) . level_t - off * sum(q * mult)) + zero_t * sum(q * mult)
+        if K_PER_TOKEN or (K_BITS == 16):
+            k_fold = tl.full([D], qk_scale, tl.float32)
+            if K_MULT_KIND == 2:
+                k_fold *= _channel_factor(K_MULT, page, h, d, H * D, D)
+        else:
+            k_fold = _channel_factor(K_SCALE, page, h, d, K_S_PAGE, K_S_HEAD) * qk_scale
+        qf = (q.to(tl.float32) * k_fold[None, :]).to(dt)
+        q_sum = tl.sum(qf.to(tl.float32), 1)  # of the rounded operand: cancels the offsets exactly
+        q_zero = tl.zeros([BLOCK_N], tl.float32)
+        if (not K_PER_TOKEN) and K_HAS_ZERO and (K_BITS != 16):
+            q_zero = tl.sum(q.to(tl.float32) * (_channel_factor(K_ZERO, page, h, d, K_S_PAGE, K_S_HEAD) * qk_scale)[None, :],
+                            1)
+        if K_N_HIGH > 0:
+            # Kitty: a boosted channel's code is low + 4 * high, so q.k gains sum_r (4 q[id_r] scale[id_r]) high_r
+            ids = tl.load(K_IDS + page * (H * K_N_HIGH) + h * K_N_HIGH + r, mask=r_ok, other=0).to(tl.int32)
+            s_hi = tl.load(K_SCALE + page * K_S_PAGE + h * K_S_HEAD + ids, mask=r_ok, other=0.0).to(tl.float32)
+            q_hi = tl.load(QP + (row_base + n_rows)[:, None] * D + ids[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                           other=0.0).to(tl.float32)
+            q_hi = (q_hi * (4.0 * qk_scale) * s_hi[None, :]).to(dt)
+            q_hi_sum = tl.sum(q_hi.to(tl.float32), 1)
+            hi_raw = rs
+            if K_ROWS == STEP:
+                hi_raw = _rows(K_HIGH + page * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH), rs, r, r_ok,
+                               K_N_HIGH, True)
+        # ---- values: per-channel factors of the page --------------------------------------------
+        if V_MULT_KIND == 2:
+            v_chan = _channel_factor(V_MULT, page, h, d, H * D, D)
+        if (not V_PER_TOKEN) and (V_BITS != 16):
+            v_chan = _channel_factor(V_SCALE, page, h, d, V_S_PAGE, V_S_HEAD)
+            if V_HAS_ZERO:
+                v_zero_chan = _channel_factor(V_ZERO, page, h, d, V_S_PAGE, V_S_HEAD)
+        # Steps walk blocks of STEP plane rows, and inside a block every slot of those rows (token
+        # t0 = slot * ROWS + block * STEP), so each block of rows is loaded and spread once.
+        # A plane with exactly STEP rows is loaded once per page.
+        k_raw = rs
+        v_raw = rs
+        if K_ROWS == STEP:
+            k_raw = _rows(K_CODES + page * (H * K_ROWS * D) + h * (K_ROWS * D), rs, d, d, D, False)
+        if V_ROWS == STEP:
+            v_raw = _rows(V_CODES + page * (H * V_ROWS * D) + h * (V_ROWS * D), rs, d, d, D, False)
+        for blk in tl.static_range(ROWS // STEP):
+          for slot_i in tl.static_range(PAGE_T // ROWS):  # noqa: E111 (two loops, one step body)
+            # (the step's first token, slot_i * ROWS + blk * STEP, is written out where a constexpr is
+            # needed: a local variable would become a tensor)
+            t = slot_i * ROWS + blk * STEP + rs
+            # logits of the step's tokens, transposed: [STEP, N]
+            if (K_ROWS != STEP) and (K_ROWS == ROWS) and (slot_i == 0):  # a new block of rows
+                k_raw = _rows(K_CODES + page * (H * K_ROWS * D) + h * (K_ROWS * D), t, d, d, D, False)
+                if K_N_HIGH > 0:
+                    hi_raw = _rows(K_HIGH + page * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH), t, r, r_ok,
+                                   K_N_HIGH, True)
+            k = _tile(K_CODES, page, h, t, d, d, LEVELS, slot_i * ROWS + blk * STEP, STEP, H, D, False, K_BITS, K_ROWS, K_NF4, ASM, k_raw,
+                      (K_ROWS == STEP) or (K_ROWS == ROWS))
+            k_off = _tile_offset(K_BITS, K_ROWS, STEP, slot_i * ROWS + blk * STEP, K_NF4)
+            if K_PER_TOKEN and (K_GROUP < D):
+                k = _grouped(k, K_SCALE, K_ZERO, page, h, t, d, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP,
+                             K_HAS_ZERO, k_off)
+                s = tl.dot(k.to(dt), tl.trans(qf))
+            else:
+                s = tl.dot(k.to(dt), tl.trans(qf))
+                if K_BITS == 16:
+                    pass
+                elif K_PER_TOKEN:
+                    if k_off != 0.0:
+                        s -= k_off * q_sum[None, :]
+                    s *= _token_factor(K_SCALE, page, h, t, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV)[:, None]
+                    if K_HAS_ZERO:
+                        k_zero = _token_factor(K_ZERO, page, h, t, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV)
+                        s += k_zero[:, None] * q_sum[None, :]
+                else:  # one bias per query row: the zero term minus the offset term
+                    s += (q_zero - k_off * q_sum)[None, :]
+            if K_N_HIGH > 0:
+                hi = _tile(K_HIGH, page, h, t, r, r_ok, LEVELS, slot_i * ROWS + blk * STEP, STEP, H, K_N_HIGH, True, 2, K_ROWS, False, ASM,
+                           hi_raw, (K_ROWS == STEP) or (K_ROWS == ROWS))
+                s += tl.dot(hi.to(dt), tl.trans(q_hi)) - _tile_offset(2, K_ROWS, STEP, slot_i * ROWS + blk * STEP, False) * q_hi_sum[None, :]
+            if K_MULT_KIND == 1:
+                s *= _token_factor(K_MULT, page, h, t, H * PAGE_T, PAGE_T, 1, 1)[:, None]
+            if HAS_WINDOW:
+                s = tl.where(q_pos[None, :] - (pos0 + p * PAGE_T + t)[:, None] < window, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            if tl.max(m_new - m_i, 0) > LAZY_MAX:  # raise the max and rescale (rare after the first pages)
+                alpha = tl.exp2(m_i - m_new)
+                acc *= alpha[None, :]
+                l_tile *= alpha[None, :]
+                corr_tile *= alpha[None, :]
+                m_i = m_new
+            w = tl.exp2(s - m_i[None, :])
+            l_tile += w
+            # ---- values: token factors scale the weights w, channel factors the step's product ----
+            #   per token:   o = mult_d * (sum_t (w scale_t) level_t - off * sum(w scale) + sum(w zero))
+            #   per channel: o = scale_d * (sum_t (w mult_t) level_t - off * sum(w mult)) + zero_d * sum(w mult)
+            if (V_ROWS != STEP) and (V_ROWS == ROWS) and (slot_i == 0):
+                v_raw = _rows(V_CODES + page * (H * V_ROWS * D) + h * (V_ROWS * D), t, d, d, D, False)
+            v = _tile(V_CODES, page, h, t, d, d, LEVELS, slot_i * ROWS + blk * STEP, STEP, H, D, False, V_BITS, V_ROWS, V_NF4, ASM, v_raw,
+                      (V_ROWS == STEP) or (V_ROWS == ROWS))
+            v_off = _tile_offset(V_BITS, V_ROWS, STEP, slot_i * ROWS + blk * STEP, V_NF4)
+            if V_PER_TOKEN and (V_GROUP < D):
+                v = _grouped(v, V_SCALE, V_ZERO, page, h, t, d, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
+                             V_HAS_ZERO, v_off)
+                v_off = 0.0  # decoded values: nothing left to correct
+                ww = w.to(dt)
+            else:
+                if V_PER_TOKEN and (V_BITS != 16):
+                    ww = (w * _token_factor(V_SCALE, page, h, t, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV)[:, None]).to(dt)
+                elif V_MULT_KIND == 1:
+                    ww = (w * _token_factor(V_MULT, page, h, t, H * PAGE_T, PAGE_T, 1, 1)[:, None]).to(dt)
+                else:
+                    ww = w.to(dt)
+            if V_APART:  # per-channel factors: this step's product is scaled before it joins acc
+                off_w = v_off * tl.sum(ww.to(tl.float32), 0)
+                if V_PER_TOKEN and V_HAS_ZERO:
+                    off_w -= tl.sum(w * _token_factor(V_ZERO, page, h, t, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV)[:, None],
+                                    0)
+                pv = v_chan[:, None] * (tl.dot(tl.trans(v.to(dt)), ww) - off_w[None, :])
+                if (not V_PER_TOKEN) and V_HAS_ZERO:
+                    w_sum = tl.sum(w, 0)
+                    if V_MULT_KIND == 1:
+                        w_sum = tl.sum(w * _token_factor(V_MULT, page, h, t, H * PAGE_T, PAGE_T, 1, 1)[:, None], 0)
+                    pv += v_zero_chan[:, None] * w_sum[None, :]
+                acc += pv
+            else:
+                acc = tl.dot(tl.trans(v.to(dt)), ww, acc)
+                if (v_off != 0.0) or (V_PER_TOKEN and V_HAS_ZERO and (V_BITS != 16) and (V_GROUP == D)):
+                    if v_off != 0.0:
+                        corr_tile += v_off * ww.to(tl.float32)
+                    if V_PER_TOKEN and V_HAS_ZERO and (V_BITS != 16) and (V_GROUP == D):
+                        corr_tile -= w * _token_factor(V_ZERO, page, h, t, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV)[:, None]
+    return m_i, tl.sum(l_tile, 0), acc, tl.sum(corr_tile, 0)
+
+
+@triton.jit
+def _page_split(n_pg, num_splits, MIN_PAGES: tl.constexpr):
+    """Pages per split of a row of n_pg pages, and how many of its num_splits splits get any:
+    the split kernel and the merge agree on both, so the splits past a row's end (most of them
+    under a CUDA graph, whose split count is sized for the longest row the page table holds)
+    neither compute nor write, and the merge never reads them."""
+    per = tl.maximum(tl.cdiv(n_pg, tl.maximum(num_splits, 1)), MIN_PAGES)  # (num_splits = 0: one program)
+    return per, tl.cdiv(n_pg, per)
 
 
 @triton.jit
 def _split_kernel(
-    Q, QP, UNROT, LEVELS, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V, NREC, O_PART, LSE_PART,
+    Q, QP, UNROT, LEVELS, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V, NREC, O_PART, LSE_PART, OUT, LSE_OUT,
     K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS,
     V_CODES, V_SCALE, V_ZERO, V_MULT, V_HIGH, V_IDS,
-    qk_scale, num_splits, pages_per_split, M, n_queries, q_pos_offset, window, s_pt_b, s_pt_p,
+    qk_scale, num_splits, M, n_queries, q_pos_offset, window, s_pt_b, s_pt_p,
     s_sink_b, s_sink_h, s_sink_t, s_rec_b, s_rec_h, s_rec_t,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, PAGE_T: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROTATED: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    ASM: tl.constexpr, UNROLL: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_T: tl.constexpr, STEP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, MIN_PAGES: tl.constexpr, DENSE_STEP: tl.constexpr, ROTATED: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, ASM: tl.constexpr, ONE_PROGRAM: tl.constexpr, RETURN_LSE: tl.constexpr,
     K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
     K_S_HEAD: tl.constexpr, K_S_TOK: tl.constexpr, K_HDIV: tl.constexpr, K_GROUP: tl.constexpr,
     K_HAS_ZERO: tl.constexpr, K_MULT_KIND: tl.constexpr, K_NF4: tl.constexpr, K_N_HIGH: tl.constexpr,
@@ -155,17 +438,18 @@ def _split_kernel(
     V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, V_N_HIGH: tl.constexpr,
 ):
     bh = tl.program_id(0)
-    split = tl.program_id(1)
+    part = tl.program_id(1)
+    split = part - 2  # page split; -2: the sink, -1: the recent tier
     b = bh // H
     h = bh % H
     dt = Q.dtype.element_ty  # tl.dot operand type: fp16 on the GPU path, fp32 for exact tests
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's q rows of the kv head
-    row_ok = rows < M
+    n_rows = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's q rows of the kv head
+    n_ok = n_rows < M
     d = tl.arange(0, D)
-    q_off = (bh * M + rows)[:, None] * D + d[None, :]
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    q_off = (bh * M + n_rows)[:, None] * D + d[None, :]
+    m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([D, BLOCK_N], tl.float32)  # the output, transposed
     if HAS_SLOTS:  # batch row b lives in slot SLOTS[b] of the page table and the dense buffers
         slot = tl.load(SLOTS + b).to(tl.int64)
     else:
@@ -174,182 +458,116 @@ def _split_kernel(
     n_pg = tl.load(NPAGES + b).to(tl.int32)
     n_rec = tl.load(NREC + b).to(tl.int32)
     # positions: sink token i -> i, page p token t -> n_sink + PAGE_T p + t, recent token i -> after the pages;
-    # query row m (head-major, query-minor) sits at q_pos; with a window it sees pos only while q_pos - pos < window
-    q_pos = n_sink + n_pg * PAGE_T + n_rec + q_pos_offset + rows % n_queries
-    if split < num_splits:
+    # query row n (head-major, query-minor) sits at q_pos; with a window it sees pos only while q_pos - pos < window
+    q_pos = n_sink + n_pg * PAGE_T + n_rec + q_pos_offset + n_rows % n_queries
+    per, n_live = _page_split(n_pg, num_splits, MIN_PAGES)
+    if ONE_PROGRAM or ((split >= 0) and (split < n_live)):
         # quantized pages [p0, p1) of this row, q in the pages' (maybe rotated) domain
-        q = tl.load(QP + q_off, mask=row_ok[:, None], other=0.0)  # kept in dt: fewer live registers
-        p0 = split * pages_per_split
-        p1 = tl.minimum(p0 + pages_per_split, n_pg)
-        if HAS_WINDOW:  # skip the pages older than every query's window
-            lo = tl.min(tl.where(row_ok, q_pos, 2**30), 0) - window - n_sink - (PAGE_T - 2)
-            p0 = tl.maximum(p0, tl.where(lo > 0, (lo + PAGE_T - 1) // PAGE_T, 0))
-        r = tl.arange(0, NB_PAD)
-        rb = tl.arange(0, BLOCK_T)
-        for p in range(p0, p1):
-            page = tl.load(PT + slot * s_pt_b + p * s_pt_p).to(tl.int64)
-            # Keys decode as k[t, d] = (level * scale + zero) * mult, scale/zero along one axis and
-            # mult along the other. Channel factors fold into q once per page and token factors
-            # scale the logits, so the tile itself is only the levels:
-            #   per channel: s = mult_t * ((q * scale) . level_t + q . zero)
-            #   per token:   s = scale_t * ((q * mult) . level_t) + zero_t * sum(q * mult)
-            if K_PER_TOKEN or (K_BITS == 16):  # (fp16 pages: the values themselves)
-                k_fold = tl.full([D], qk_scale, tl.float32)
-                if K_MULT_KIND == 2:
-                    k_fold *= _channel_factor(K_MULT, page, h, d, H * D, D)
-            else:
-                k_fold = _channel_factor(K_SCALE, page, h, d, K_S_PAGE, K_S_HEAD) * qk_scale
-            qk = q * k_fold.to(dt)[None, :]
-            if K_PER_TOKEN and K_HAS_ZERO:
-                q_zero = tl.sum(qk.to(tl.float32), 1)
-            elif K_HAS_ZERO and (K_BITS != 16) and (not K_PER_TOKEN):
-                zero_fold = _channel_factor(K_ZERO, page, h, d, K_S_PAGE, K_S_HEAD) * qk_scale
-                q_zero = tl.sum(q.to(tl.float32) * zero_fold[None, :], 1)
-            if K_N_HIGH > 0:
-                # Kitty: a boosted channel's level is low + 4 high, so q.k gains sum_r (4 q[id_r] scale[id_r]) high_r:
-                # the sparse high plane is a second small product with q gathered at the boosted ids
-                r_ok = r < K_N_HIGH
-                ids = tl.load(K_IDS + page * (H * K_N_HIGH) + h * K_N_HIGH + r, mask=r_ok, other=0).to(tl.int32)
-                s_hi = tl.load(K_SCALE + page * K_S_PAGE + h * K_S_HEAD + ids, mask=r_ok, other=0.0).to(tl.float32)
-                q_hi = tl.load(QP + (bh * M + rows)[:, None] * D + ids[None, :],
-                               mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-                q_hi = (q_hi * (4.0 * qk_scale) * s_hi[None, :]).to(dt)
-            if V_PER_TOKEN and (V_MULT_KIND == 2):
-                v_mult = _channel_factor(V_MULT, page, h, d, H * D, D)
-            if (not V_PER_TOKEN) and (V_BITS != 16):
-                v_scale = _channel_factor(V_SCALE, page, h, d, V_S_PAGE, V_S_HEAD)
-                if V_HAS_ZERO:
-                    v_zero = _channel_factor(V_ZERO, page, h, d, V_S_PAGE, V_S_HEAD)
-            # a plane with exactly BLOCK_T rows holds every block of the page in the same rows (one
-            # slot each): load it once per page and only shift per block
-            if K_ROWS == BLOCK_T:
-                k_raw = _plane_rows(K_CODES, page, h, rb, d, H, D, K_ROWS)
-            if V_ROWS == BLOCK_T:
-                v_raw = _plane_rows(V_CODES, page, h, rb, d, H, D, V_ROWS)
-            if (K_N_HIGH > 0) and (K_ROWS == BLOCK_T):
-                hi_raw = _high_rows(K_HIGH, page, h, rb, r, H, K_ROWS, K_N_HIGH)
-            for t0 in tl.range(0, PAGE_T, BLOCK_T, loop_unroll_factor=UNROLL):
-                t = t0 + rb
-                if K_ROWS != BLOCK_T:
-                    k_raw = _plane_rows(K_CODES, page, h, t % K_ROWS, d, H, D, K_ROWS)
-                k = _levels(k_raw, t0, t, LEVELS, K_BITS, K_ROWS, BLOCK_T, K_NF4, ASM)
-                if K_PER_TOKEN and (K_GROUP < D):
-                    k = _grouped(k, K_SCALE, K_ZERO, page, h, t, d, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV,
-                                 K_GROUP, K_HAS_ZERO)
-                s = tl.dot(qk, tl.trans(k.to(dt)))
-                if K_N_HIGH > 0:
-                    if K_ROWS != BLOCK_T:
-                        hi_raw = _high_rows(K_HIGH, page, h, t % K_ROWS, r, H, K_ROWS, K_N_HIGH)
-                    hi = _levels(hi_raw, t0, t, LEVELS, 2, K_ROWS, BLOCK_T, False, False)
-                    s += tl.dot(q_hi, tl.trans(hi.to(dt)))
-                if K_BITS == 16:
-                    pass
-                elif K_PER_TOKEN:
-                    if K_GROUP == D:
-                        s *= _token_factor(K_SCALE, page, h, t, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV)[None, :]
-                        if K_HAS_ZERO:
-                            k_zero = _token_factor(K_ZERO, page, h, t, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV)
-                            s += q_zero[:, None] * k_zero[None, :]
-                else:
-                    if K_HAS_ZERO:
-                        s += q_zero[:, None]
-                    if K_MULT_KIND == 1:
-                        s *= _token_factor(K_MULT, page, h, t, H * PAGE_T, PAGE_T, 1, 1)[None, :]
-                if HAS_WINDOW:
-                    s = tl.where(q_pos[:, None] - (n_sink + p * PAGE_T + t)[None, :] < window, s, float("-inf"))
-                m_i, l_i, alpha, w = _softmax_step(s, m_i, l_i)
-                # values, folded the other way: token factors scale the weights w, channel factors the sum
-                #   per token:   o = mult_d * ((w * scale) @ level + sum(w * zero))
-                #   per channel: o = scale_d * ((w * mult) @ level) + zero_d * sum(w * mult)
-                if V_ROWS != BLOCK_T:
-                    v_raw = _plane_rows(V_CODES, page, h, t % V_ROWS, d, H, D, V_ROWS)
-                v = _levels(v_raw, t0, t, LEVELS, V_BITS, V_ROWS, BLOCK_T, V_NF4, ASM)
-                if V_BITS == 16:
-                    pv = tl.dot(w.to(dt), v.to(dt))
-                elif V_PER_TOKEN:
-                    if V_GROUP < D:
-                        v = _grouped(v, V_SCALE, V_ZERO, page, h, t, d, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV,
-                                     V_GROUP, V_HAS_ZERO)
-                        pv = tl.dot(w.to(dt), v.to(dt))
-                    else:
-                        v_scale = _token_factor(V_SCALE, page, h, t, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV)
-                        pv = tl.dot((w * v_scale[None, :]).to(dt), v.to(dt))
-                        if V_HAS_ZERO:
-                            v_zero = _token_factor(V_ZERO, page, h, t, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV)
-                            pv += tl.sum(w * v_zero[None, :], 1)[:, None]
-                    if V_MULT_KIND == 2:
-                        pv *= v_mult[None, :]
-                else:
-                    if V_MULT_KIND == 1:
-                        w *= _token_factor(V_MULT, page, h, t, H * PAGE_T, PAGE_T, 1, 1)[None, :]
-                    pv = tl.dot(w.to(dt), v.to(dt)) * v_scale[None, :]
-                    if V_HAS_ZERO:
-                        pv += tl.sum(w, 1)[:, None] * v_zero[None, :]
-                acc = acc * alpha[:, None] + pv
-        if ROTATED:  # back from the rotated domain (linear, so before normalizing is fine)
-            acc = tl.dot(acc, tl.load(UNROT + d[:, None] * D + d[None, :]))
-    else:
-        # FP16 tiers: split num_splits = sink, num_splits + 1 = recent
-        q_dense = (tl.load(Q + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale).to(dt)
-        if split == num_splits:
-            k_base = SINK_K + slot * s_sink_b + h * s_sink_h
-            v_base = SINK_V + slot * s_sink_b + h * s_sink_h
-            s_t = s_sink_t
-            n = n_sink
-            first = n_sink * 0  # a tensor like the other branch's (compiled ifs need matching types)
+        q = tl.load(QP + q_off, mask=n_ok[:, None], other=0.0)  # kept in dt: fewer live registers
+        if ONE_PROGRAM:
+            p0 = 0
+            p1 = n_pg
         else:
-            k_base = REC_K + slot * s_rec_b + h * s_rec_h
-            v_base = REC_V + slot * s_rec_b + h * s_rec_h
-            s_t = s_rec_t
-            n = n_rec
-            first = n_sink + n_pg * PAGE_T
-        for t0 in range(0, n, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            ok = t < n
-            off = t[:, None] * s_t + d[None, :]
-            k = tl.load(k_base + off, mask=ok[:, None], other=0.0).to(dt)
-            seen = ok[None, :]
-            if HAS_WINDOW:
-                seen = seen & (q_pos[:, None] - (first + t)[None, :] < window)
-            s = tl.where(seen, tl.dot(q_dense, tl.trans(k)), float("-inf"))
-            m_i, l_i, alpha, w = _softmax_step(s, m_i, l_i)
-            v = tl.load(v_base + off, mask=ok[:, None], other=0.0).to(dt)
-            acc = acc * alpha[:, None] + tl.dot(w.to(dt), v)
-    # an empty split (no pages in range, empty tier) writes o = 0, lse = -inf: it drops out of the merge
+            p0 = split * per
+            p1 = tl.minimum(p0 + per, n_pg)
+        if HAS_WINDOW:  # skip the pages older than every query's window
+            lo = tl.min(tl.where(n_ok, q_pos, 2**30), 0) - window - n_sink - (PAGE_T - 2)
+            p0 = tl.maximum(p0, tl.where(lo > 0, (lo + PAGE_T - 1) // PAGE_T, 0))
+        m_i, l_i, acc, corr = _pages(
+            q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, bh * M, n_rows, n_ok, h, d, q_pos, window,
+            n_sink, qk_scale, LEVELS, K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, V_CODES, V_SCALE, V_ZERO,
+            V_MULT, dt, H, D, BLOCK_N, PAGE_T, STEP, BLOCK_ROWS, NB_PAD, HAS_WINDOW, ASM,
+            K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO, K_MULT_KIND,
+            K_NF4, K_N_HIGH, V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
+            V_HAS_ZERO, V_MULT_KIND, V_NF4)
+        acc -= corr[None, :]
+        if ROTATED:  # back from the rotated domain: o @ U, here U^T @ o^T (linear, so before normalizing)
+            acc = tl.dot(tl.load(UNROT + d[None, :] * D + d[:, None]), acc)
+    if ONE_PROGRAM or split < 0:
+        # FP16 tiers: part 0 = sink, part 1 = recent (one program: both, after the pages)
+        q = tl.load(Q + q_off, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        if ONE_PROGRAM or split == -2:
+            m_i, l_i, acc = _dense_tier(q, m_i, l_i, acc, SINK_K + slot * s_sink_b + h * s_sink_h,
+                                        SINK_V + slot * s_sink_b + h * s_sink_h, s_sink_t, n_sink, 0, q_pos, window,
+                                        d, qk_scale, dt, HAS_WINDOW, DENSE_STEP)
+        if ONE_PROGRAM or split == -1:
+            m_i, l_i, acc = _dense_tier(q, m_i, l_i, acc, REC_K + slot * s_rec_b + h * s_rec_h,
+                                        REC_V + slot * s_rec_b + h * s_rec_h, s_rec_t, n_rec, n_sink + n_pg * PAGE_T,
+                                        q_pos, window, d, qk_scale, dt, HAS_WINDOW, DENSE_STEP)
+    # an empty split (no pages in its window, an empty tier) writes o = 0, lse = -inf: it drops out of
+    # the merge; a split past the row's last page writes nothing
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = acc / l_safe[None, :]  # [D, N]
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-    part = (bh * (num_splits + 2) + split) * M + rows
-    tl.store(O_PART + part[:, None] * D + d[None, :], o, mask=row_ok[:, None])
-    tl.store(LSE_PART + part, lse, mask=row_ok)
+    if ONE_PROGRAM:
+        tl.store(OUT + (bh * M + n_rows)[None, :] * D + d[:, None], o.to(OUT.dtype.element_ty), mask=n_ok[None, :])
+        if RETURN_LSE:
+            tl.store(LSE_OUT + bh * M + n_rows, lse * 0.6931471805599453, mask=n_ok)  # base 2 -> natural log
+    elif split < n_live:
+        row = (bh * (num_splits + 2) + part) * M + n_rows
+        tl.store(O_PART + row[None, :] * D + d[:, None], o, mask=n_ok[None, :])
+        tl.store(LSE_PART + row, lse, mask=n_ok)
 
 
 @triton.jit
-def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, n_parts, M, D: tl.constexpr, PARTS_PAD: tl.constexpr,
-                  RETURN_LSE: tl.constexpr):
-    """out[bh, m] = sum over splits of o_s * 2^lse_s / sum 2^lse_s (0 if no split saw a token),
-    and optionally the total log-sum-exp in natural log."""
+def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, M, H: tl.constexpr, D: tl.constexpr,
+                  D_BLOCK: tl.constexpr, MIN_PAGES: tl.constexpr, CHUNK: tl.constexpr, RETURN_LSE: tl.constexpr):
+    """out[bh, m] = sum over the row's written partials of o_s * 2^lse_s / sum 2^lse_s (0 if no
+    split saw a token), and optionally the total log-sum-exp in natural log. The partials are the
+    two FP16 tiers and the row's live page splits (_page_split), read CHUNK at a time; each
+    program merges D_BLOCK channels (at batch 1 there are few rows, so channels give the parallelism)."""
     bh = tl.program_id(0)
     m = tl.program_id(1)
-    s = tl.arange(0, PARTS_PAD)
-    ok = s < n_parts
-    d = tl.arange(0, D)
-    part = (bh * n_parts + s) * M + m
-    lse = tl.load(LSE_PART + part, mask=ok, other=float("-inf"))
-    top = tl.max(lse, 0)
+    d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
+    _, n_live = _page_split(tl.load(NPAGES + bh // H).to(tl.int32), num_splits, MIN_PAGES)
+    n_read = n_live + 2
+    top = tl.full([CHUNK], float("-inf"), tl.float32)
+    for s0 in range(0, n_read, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        part = (bh * (num_splits + 2) + s) * M + m
+        top = tl.maximum(top, tl.load(LSE_PART + part, mask=s < n_read, other=float("-inf")))
+    top = tl.max(top, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp2(lse - top)
-    total = tl.sum(w, 0)
-    o = tl.load(O_PART + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.maximum(total, 1e-30)
-    tl.store(OUT + (bh * M + m) * D + d, out.to(OUT.dtype.element_ty))
-    if RETURN_LSE:
-        lse_all = tl.where(total > 0, top + tl.log2(tl.maximum(total, 1e-30)), float("-inf"))
+    total = tl.zeros([CHUNK], tl.float32)
+    out = tl.zeros([CHUNK, D_BLOCK], tl.float32)
+    for s0 in range(0, n_read, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        part = (bh * (num_splits + 2) + s) * M + m
+        lse = tl.load(LSE_PART + part, mask=s < n_read, other=float("-inf"))
+        w = tl.exp2(lse - top)
+        total += w
+        seen = lse > float("-inf")  # an empty partial's output is never read
+        out += w[:, None] * tl.load(O_PART + part[:, None] * D + d[None, :], mask=seen[:, None], other=0.0)
+    total_sum = tl.sum(total, 0)
+    tl.store(OUT + (bh * M + m) * D + d, (tl.sum(out, 0) / tl.maximum(total_sum, 1e-30)).to(OUT.dtype.element_ty))
+    if RETURN_LSE and tl.program_id(2) == 0:
+        lse_all = tl.where(total_sum > 0, top + tl.log2(tl.maximum(total_sum, 1e-30)), float("-inf"))
         tl.store(LSE_OUT + bh * M + m, lse_all * 0.6931471805599453)  # base 2 -> natural log
 
 
 # True when TRITON_INTERPRET=1 was set at import: the kernels then run on CPU tensors
 INTERPRETED = isinstance(_split_kernel, InterpretedFunction)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How decode_attention is launched; None = the default.
+
+    num_splits: page splits per (row, kv head), 0 = one program walks everything (no merge);
+    default: default_splits. programs_per_sm: what the default split count aims at
+    (PROGRAMS_PER_SM). step: tokens per inner step (a power of 2, 16..PAGE_TOKENS; default
+    _step). block_n: query rows per program (a power of 2 >= 8; default the rows rounded up to
+    BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton launch options (defaults NUM_WARPS
+    or NUM_WARPS_ROTATED, NUM_STAGES). asm: unpack codes with PTX (default whenever compiled)."""
+
+    num_splits: int | None = None
+    programs_per_sm: int | None = None
+    step: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    maxnreg: int | None = None
+    asm: bool | None = None
 
 
 def _scratch(shape: tuple[int, ...], device: torch.device) -> Tensor:
@@ -368,36 +586,52 @@ def _layouts(fmt, heads: int, head_dim: int) -> tuple[Layout, Layout]:
     return layout(fmt.k, heads, head_dim, PAGE_TOKENS), layout(fmt.v, heads, head_dim, PAGE_TOKENS)
 
 
-# Launch defaults, measured on an H100 (bench.py kernels --variants auto,u4,w1-t16,w2-t16,w2): with
-# enough programs to fill the GPU (batch 16 and 64, or long contexts) one warp per program and
-# 16-token steps were the fastest for every format (kitty, batch 64, 32k: 2.2 ms against 3.5 ms
-# for four warps and 32-token steps): one warp keeps the softmax reductions inside the warp (no
-# barriers), and the register file, not the instruction count, limits how many programs an SM
-# holds. With few programs (batch 1, 4k: 64 programs) four warps, steps of a plane's rows and an
-# unrolled step loop were faster (kitty 0.024 ms against 0.041 ms).
-BLOCK_T = 16
-DECODE_WARPS = 1
-FEW_PROGRAMS_PER_SM = 2
-
-
-def _plane_block(*layouts: Layout) -> int:
-    """Tokens per step when there are few programs: the row count of the packed planes (each plane
-    loaded once per page, one slot per step), 16..64."""
-    rows = [lay.rows for lay in layouts if lay.bits != 16 and lay.rows & (lay.rows - 1) == 0]
-    return max(16, min(min(rows, default=64), 64))
-
-
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def default_splits(n_cols: int, programs: int, device: torch.device) -> int:
-    """Splits over a page table of n_cols columns: about 4 programs per SM (a program walks its
-    pages one after the other, so more programs in flight hide more memory latency), but at
-    least 4 pages per split so that the partials stay small next to the pages."""
-    if n_cols == 0:
-        return 0
-    return max(1, min(-(-n_cols // 4), -(-4 * _sm_count(device) // programs)))
+# Programs per SM the split rule aims at: each program walks its pages one after the other, so
+# the number in flight is what hides memory latency. One warp per program, no software
+# pipelining: measured fastest on H100 for every format (README, kernel launch sweep); with a
+# [D, N] accumulator and one page's codes live, a warp needs ~255 registers, so an SM keeps 8
+# programs resident and queues the rest.
+PROGRAMS_PER_SM = 32
+MIN_PAGES_PER_SPLIT = 2
+NUM_WARPS = 1
+NUM_WARPS_ROTATED = 2  # KVarN's [D, D] un-rotation at the end spills badly in one warp
+NUM_STAGES = 1
+# Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
+# (up to ~128) splits should take one or two rounds, not eight.
+MERGE_CHUNK = 64
+BLOCK_N_MIN = 8
+
+
+def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: int | None = None) -> int:
+    """Page splits per (row, kv head) for rows of up to max_pages pages and `programs` (row, kv head,
+    query block) triples: enough programs to fill the GPU PROGRAMS_PER_SM times, at least
+    MIN_PAGES_PER_SPLIT pages each. Splits divide each row's own pages, so max_pages (e.g. the page
+    table's width under a CUDA graph) only caps the count."""
+    if max_pages == 0:
+        return 1
+    want = -(-(per_sm or PROGRAMS_PER_SM) * _sm_count(device) // programs)
+    return max(1, min(want, -(-max_pages // MIN_PAGES_PER_SPLIT)))
+
+
+def _block_rows(kl: Layout, vl: Layout, step: int) -> int:
+    """Rows of the tallest plane read one slot per step (fp16 pages: one slot of PAGE_TOKENS
+    rows); steps go over its blocks of `step` rows, and over every slot of a block in turn."""
+    rows = [lay.rows for lay in (kl, vl) if lay.rows % step == 0 and lay.rows & (lay.rows - 1) == 0]
+    return max(rows + [step])
+
+
+def _step(kl: Layout, vl: Layout) -> int:
+    """Tokens per step: the row count of the packed planes when they have 32 or fewer rows (each
+    plane loaded once per page, one slot per step), else 32; 16 for 3-bit planes (13 rows)."""
+    rows = [lay.rows for lay in (kl, vl) if lay.bits != 16]
+    if any(r & (r - 1) for r in rows):
+        return 16
+    return min([32] + rows)
 
 
 def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[str, Tensor],
@@ -405,22 +639,13 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
                      sink_k: Tensor, sink_v: Tensor, n_sink: Tensor,
                      recent_k: Tensor, recent_v: Tensor, n_recent: Tensor,
                      scale: float, *, slots: Tensor | None = None, window: int | None = None,
-                     return_lse: bool = False, out: Tensor | None = None, num_splits: int | None = None,
-                     block_t: int | None = None, block_m: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, asm: bool | None = None, unroll: int | None = None,
-                     maxnreg: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                     return_lse: bool = False, out: Tensor | None = None,
+                     launch: Launch = Launch()) -> Tensor | tuple[Tensor, Tensor]:
     """Triton version of kernels.reference.decode_attention (same arguments and results).
 
     q [B, Hq, D] or [B, Hq, T, D] (every query sees every stored token); slots, window,
     return_lse as in the reference. out: optional result buffer shaped like q (contiguous).
-    num_splits: page splits per (row, kv head); default fills the GPU. block_t: tokens per
-    inner step (a power of 2 from 16 to 128, default BLOCK_T, or the planes' rows when there are
-    few programs; a plane whose row count equals it is loaded once per page). block_m: q rows per
-    program (a power of 2 >= 16, the tl.dot minimum; default all of them up to 64). num_warps / num_stages / maxnreg: Triton launch options of the
-    split kernel (default: DECODE_WARPS for one 16-row block and many programs, else 4). asm: unpack 2- and 4-bit
-    codes with the PTX of _UNPACK_ASM (default: whenever the kernel is compiled, i.e. not under
-    the interpreter). unroll: unroll factor of the loop over a page's steps (default 1; fully
-    unrolled when there are few programs: unrolling costs registers, which only pays off then).
+    launch: tuning knobs (Launch); the defaults fill the GPU.
     """
     single = q.dim() == 3
     q4 = (q[:, :, None] if single else q).contiguous()
@@ -433,51 +658,57 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
         if a.stride() != b_.stride() or a.stride(-1) != 1:
             raise ValueError("sink/recent K and V views must share strides with a unit last stride")
     kl, vl = _layouts(fmt, H, D)
-    P = page_table.shape[1]
+    step = launch.step or _step(kl, vl)
+    packed = [lay.rows for lay in (kl, vl) if lay.bits in (2, 4)]
+    if step & (step - 1) or PAGE_TOKENS % step or step < 16 or any(r % step for r in packed):
+        raise ValueError(f"step must be a power of 2 >= 16 that divides {PAGE_TOKENS} and the row count of every "
+                         f"packed code plane ({packed}), got {step}")
+    block_n = launch.block_n or min(64, max(BLOCK_N_MIN, triton.next_power_of_2(M)))
+    if block_n & (block_n - 1) or block_n < 8:
+        raise ValueError(f"block_n must be a power of 2 >= 8, got {block_n}")
+    n_blocks = triton.cdiv(M, block_n)
+    num_splits = launch.num_splits
     if num_splits is None:
-        num_splits = default_splits(P, B * H, q.device)
-    few = B * H * num_splits < FEW_PROGRAMS_PER_SM * _sm_count(q.device)
-    block_t = block_t or (_plane_block(kl, vl) if few else BLOCK_T)
-    if block_t & (block_t - 1) or PAGE_TOKENS % block_t or block_t < 16:
-        raise ValueError(f"block_t must be a power of 2 from 16 to {PAGE_TOKENS}, got {block_t}")
-    if block_m is None:
-        block_m = min(64, max(16, triton.next_power_of_2(M)))
-    elif block_m & (block_m - 1) or block_m < 16:
-        raise ValueError(f"block_m must be a power of 2 >= 16, got {block_m}")
+        num_splits = default_splits(page_table.shape[1], B * H * n_blocks, q.device, launch.programs_per_sm)
+        num_splits = 0 if num_splits == 1 else num_splits  # one split: no partials, no merge
+    asm = launch.asm
     if asm and INTERPRETED:
         raise ValueError("asm=True needs the compiled kernel (the Triton interpreter cannot run PTX)")
     qp = fmt.rotate(q4).contiguous() if fmt.rotated else q4
     unrot = _unrotation(fmt, D, q.device) if fmt.rotated else q4
-    per_split = max(1, -(-P // max(num_splits, 1)))
-    num_splits = -(-P // per_split)  # drop splits that could never get a page
-    n_parts = num_splits + 2
-    o_part = _scratch((B * H, n_parts, M, D), q.device)
-    lse_part = _scratch((B * H, n_parts, M), q.device)
+    one = num_splits == 0
+    n_parts = 1 if one else num_splits + 2
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     elif not out.is_contiguous():
         raise ValueError("out must be contiguous")
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else out
-    if num_warps is None:  # (a long query block, many rows, needs more threads for its accumulator)
-        num_warps = DECODE_WARPS if block_m == 16 and not few else 4
-    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg))
-              if v is not None}
-    _split_kernel[(B * H, n_parts, triton.cdiv(M, block_m))](
+    o_part = out if one else _scratch((B * H, n_parts, M, D), q.device)
+    lse_part = lse if one else _scratch((B * H, n_parts, M), q.device)
+    warps = launch.num_warps or (NUM_WARPS_ROTATED if fmt.rotated else NUM_WARPS)
+    options = dict(num_warps=warps, num_stages=launch.num_stages or NUM_STAGES)
+    if launch.maxnreg:
+        options["maxnreg"] = launch.maxnreg
+    _split_kernel[(B * H, n_parts, n_blocks)](
         q4, qp, unrot, nf4_levels(q.device), n_pages if slots is None else slots,  # (SLOTS unread without slots)
         page_table, n_pages, sink_k, sink_v, n_sink,
-        recent_k, recent_v, n_recent, o_part, lse_part,
+        recent_k, recent_v, n_recent, o_part, lse_part, out, lse,
         **kl.pointers(k_pages, "K_"), **vl.pointers(v_pages, "V_"),
-        qk_scale=scale * LOG2E, num_splits=num_splits, pages_per_split=per_split, M=M, n_queries=Tq,
+        qk_scale=scale * LOG2E, num_splits=num_splits, M=M, n_queries=Tq,
         q_pos_offset=-1 if single else 0, window=window or 0,
         s_pt_b=page_table.stride(0), s_pt_p=page_table.stride(1),
         s_sink_b=sink_k.stride(0), s_sink_h=sink_k.stride(1), s_sink_t=sink_k.stride(2),
         s_rec_b=recent_k.stride(0), s_rec_h=recent_k.stride(1), s_rec_t=recent_k.stride(2),
-        H=H, D=D, BLOCK_M=block_m, PAGE_T=PAGE_TOKENS, BLOCK_T=block_t,
+        H=H, D=D, BLOCK_N=block_n, PAGE_T=PAGE_TOKENS, STEP=step, BLOCK_ROWS=_block_rows(kl, vl, step),
+        MIN_PAGES=MIN_PAGES_PER_SPLIT, DENSE_STEP=32,
         ROTATED=fmt.rotated, NB_PAD=max(16, triton.next_power_of_2(kl.n_high)),
         HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None, ASM=not INTERPRETED if asm is None else asm,
-        UNROLL=unroll or (PAGE_TOKENS // block_t if few else 1),
-        **kl.constexprs("K_"), **vl.constexprs("V_"), **launch,
+        ONE_PROGRAM=one, RETURN_LSE=return_lse,
+        **kl.constexprs("K_"), **vl.constexprs("V_"), **options,
     )
-    _merge_kernel[(B * H, M)](o_part, lse_part, out, lse, n_parts, M, D=D,
-                              PARTS_PAD=max(2, triton.next_power_of_2(n_parts)), RETURN_LSE=return_lse)
+    if not one:
+        d_block = min(D, 32)
+        _merge_kernel[(B * H, M, D // d_block)](o_part, lse_part, out, lse, n_pages, num_splits, M, H=H, D=D, D_BLOCK=d_block,
+                                  MIN_PAGES=MIN_PAGES_PER_SPLIT,
+                                  CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(n_parts)), RETURN_LSE=return_lse)
     return (out, lse) if return_lse else out
