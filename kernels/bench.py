@@ -67,39 +67,45 @@ def attention_inputs(kv: str, batch: int, context: int, q_heads: int = 32, kv_he
     nbytes = (batch * n_pages * fmt.page_bytes(kv_heads, head_dim)  # pages, every field
               + batch * (n_sink + n_recent) * kv_heads * head_dim * 2 * 2  # FP16 sink + recent, K and V
               + table.numel() * 4 + 2 * q.numel() * 2)  # page table, q in, o out
+    # do_bench_cudagraph times on a stream of its own, which does not wait for this one: without
+    # the sync its first call could read a page table not written yet (stale ids, an illegal
+    # address some cells later: the old "fault after the batch-16 x 4k cells")
+    if q.is_cuda:
+        torch.cuda.synchronize(device)
     return args, nbytes
 
 
-# kernel variants timed side by side: a name and attention.decode_attention keyword arguments
-# (num_warps, num_stages, block_t, block_m, num_splits, asm, unroll, maxnreg); {} = the automatic choices
-DEFAULT_VARIANTS = ({"name": "auto"},)
-VARIANTS = {
-    "auto": {},
-    "u4": {"unroll": 4},
-    "w1-t16": {"num_warps": 1, "block_t": 16},
-    "w2-t16": {"num_warps": 2, "block_t": 16},
-    "w2": {"num_warps": 2},
-    "w8": {"num_warps": 8},
-    "noasm": {"asm": False},  # codes -> levels with Triton's integer conversions instead of _UNPACK_ASM
-}
+# Kernel variants timed side by side: "auto" (the default launch rule) or a compact launch spec,
+# dash-separated fields of attention.Launch: w<num_warps> s<step> p<num_stages> n<block_n>
+# k<num_splits> m<programs_per_sm> r<maxnreg>, and "noasm" (Triton's integer ops instead of the PTX unpack), e.g. "w2-s32-p3".
+_FIELDS = {"w": "num_warps", "s": "step", "p": "num_stages", "n": "block_n", "k": "num_splits", "m": "programs_per_sm",
+           "r": "maxnreg"}
 
 
-def variant(v) -> dict:
-    """A variant: a VARIANTS name or a dict {"name": ..., **decode_attention kwargs}."""
-    if isinstance(v, str):
-        return {"name": v, **VARIANTS[v]}
-    return {"name": v.get("name") or ",".join(f"{k}={x}" for k, x in v.items()), **v}
+def variant(spec: str) -> attention.Launch:
+    """The Launch of a variant name (see above)."""
+    if spec == "auto":
+        return attention.Launch()
+    fields = {}
+    for part in spec.split("-"):
+        if part == "noasm":
+            fields["asm"] = False
+        elif part[:1] in _FIELDS and part[1:].isdigit():
+            fields[_FIELDS[part[0]]] = int(part[1:])
+        else:
+            raise ValueError(f"unknown kernel variant field {part!r} in {spec!r} (fields: {', '.join(_FIELDS)}, noasm)")
+    return attention.Launch(**fields)
 
 
-def bench_attention(kv: str, batch: int, context: int, variants=DEFAULT_VARIANTS, **shape) -> list[dict]:
+def bench_attention(kv: str, batch: int, context: int, variants=("auto",), **shape) -> list[dict]:
     """Triton decode attention over the tiers, once per variant (same inputs): ms per call (graph
     and eager), bytes, bytes/s. A variant that fails (e.g. out of resources) gets an `error`."""
     args, nbytes = attention_inputs(kv, batch, context, **shape)
     rows = []
-    for v in map(variant, variants):
-        kw = {k: x for k, x in v.items() if k != "name"}
-        r = {"kv": kv, "variant": v["name"], "batch": batch, "context": context, "bytes": nbytes}
-        fn = lambda: attention.decode_attention(*args, **kw)  # noqa: E731
+    for name in variants:
+        launch = variant(name)
+        r = {"kv": kv, "variant": name, "batch": batch, "context": context, "bytes": nbytes}
+        fn = lambda: attention.decode_attention(*args, launch=launch)  # noqa: E731
         try:
             fn()
             ms = do_bench_cudagraph(fn, return_mode="median")
@@ -141,14 +147,14 @@ def bench_encode(kv: str, batch: int, kv_heads: int = 8, head_dim: int = 128, de
     return {"kv": kv, "batch": batch, "ms_per_flush": do_bench(fn, return_mode="median")}
 
 
-def kernel_table(kvs=("fp16", "kivi-k2v2", "kitty", "kitty-pro", "kvarn", "nqkv"), batches=(1, 16, 64),
+def kernel_table(kvs=("fp16", "kivi-k2v2", "kivi-k4v4", "kitty", "kitty-pro", "kvmix", "kvarn", "nqkv"), batches=(1, 16, 64),
                  contexts=(4096, 32768), q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                 variants=DEFAULT_VARIANTS, encode: bool = True) -> list[dict]:
+                 variants=("auto",), encode: bool = True) -> list[dict]:
     """The issue's table (Llama-3-8B attention shape by default): every (kv, variant, batch, context)
     with its share of copy bandwidth and its speedup over our FP16 paged kernel (kvs must start
     with fp16 for that; vs_fp16 compares with fp16 under the same variant) and over SDPA; then
-    the encode cost per flush of every kv and batch. variants: names of VARIANTS or dicts
-    {"name": ..., **decode_attention kwargs}, all timed on the same inputs."""
+    the encode cost per flush of every kv and batch. variants: launch specs (see `variant`), all
+    timed on the same inputs."""
     shape = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     copy = copy_bandwidth()
     rows = []
