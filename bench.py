@@ -33,6 +33,12 @@ CONFIGS = {
     "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
                       max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # Llama-3.1-8B: the same shape with its 128k context (llama3 RoPE scaling); a long page table
+    "llama3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                          original_max_position_embeddings=8192)),
     "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False),
@@ -257,14 +263,24 @@ def cmd_speed(args) -> None:
             llm = speed_llm(model, method, b, args.prompt + args.new, args)
             run_engine(llm, b, args.prompt, 4)  # warm-up on the same shapes: kernels compile, graphs capture
             r = run_engine(llm, b, args.prompt, args.new, seed=1)
+            attn = {}
             if args.profile and b == batches[0]:
-                profile_decode(llm, b, args.prompt, args.profile)
+                # the engine's attention per layer, beside the kernel bench's cell of the same shape
+                from kernels.bench import bench_attention
+
+                cell = bench_attention(method, b, args.prompt, q_heads=model.config.n_heads,
+                                       kv_heads=model.config.n_kv_heads, head_dim=model.config.head_dim,
+                                       sink=0 if method.endswith("nosink") else args.sink, window=args.window)[0]
+                attn = dict(attn_layer_us=profile_decode(llm, b, args.prompt, args.profile),
+                            kernel_bench_us=cell["ms"] * 1e3 if cell["ms"] else None)
+                if attn["kernel_bench_us"]:
+                    attn["attn_vs_bench"] = attn["attn_layer_us"] / attn["kernel_bench_us"]
             kv = r.pop("kv")
             kv_bytes = kv["total"] if kv else 0
             floor = (wbytes + kv_bytes) / bw
             step = r["decode_s"] / max(r["decode_steps"], 1)
             row = dict(bench="speed", config=args.config, method=method, batch=b, prompt=args.prompt, new=args.new,
-                       **{k: v for k, v in r.items()}, step_ms=step * 1e3, floor_ms=floor * 1e3,
+                       **{k: v for k, v in r.items()}, **attn, step_ms=step * 1e3, floor_ms=floor * 1e3,
                        floor_frac=floor / step if step else 0.0,
                        kv_bytes_per_token=kv_bytes / (b * (args.prompt + args.new - 1)) if kv else None,
                        peak_gib=torch.cuda.max_memory_allocated() / 2**30, device=torch.cuda.get_device_name(),
@@ -279,13 +295,19 @@ def cmd_speed(args) -> None:
         if r["batch"] in fp16:
             r["vs_fp16"] = r["decode_tok_s"] / fp16[r["batch"]]
     emit(rows, ["method", "batch", "prefill_s", "decode_tok_s", "e2e_tok_s", "step_ms", "floor_ms", "floor_frac",
-                "kv_bytes_per_token", "peak_gib", "vs_fp16", "hf_e2e_tok_s", "vs_hf"], args.json)
+                "kv_bytes_per_token", "peak_gib", "attn_layer_us", "kernel_bench_us", "attn_vs_bench", "vs_fp16",
+                "hf_e2e_tok_s", "vs_hf"], args.json)
     if args.plot:
         _plot(rows, "batch", "decode_tok_s", args.plot, f"{args.config} decode throughput (prompt {args.prompt})")
 
 
-def profile_decode(llm: LLM, batch: int, prompt: int, steps: int) -> None:
-    """Where a decode step's GPU time goes: the top kernels over `steps` steps (torch.profiler)."""
+# the decode attention's kernels (kernels/attention.py), found by name in a profile
+ATTENTION_KERNELS = ("_split_kernel", "_merge_kernel")
+
+
+def profile_decode(llm: LLM, batch: int, prompt: int, steps: int) -> float:
+    """Where a decode step's GPU time goes: prints the top kernels over `steps` steps
+    (torch.profiler) and returns the attention kernels' GPU time per layer and step, in us."""
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(2)
@@ -299,8 +321,10 @@ def profile_decode(llm: LLM, batch: int, prompt: int, steps: int) -> None:
     while llm.has_work():
         llm.step()
     print(f"profile: {steps} decode steps, batch {batch}, prompt {prompt}", file=sys.stderr)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60),
-          file=sys.stderr)
+    events = prof.key_averages()
+    print(events.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), file=sys.stderr)
+    attn_us = sum(getattr(e, "device_time_total", 0) for e in events if any(k in e.key for k in ATTENTION_KERNELS))
+    return attn_us / (steps * llm.config.n_layers)
 
 
 def cmd_capacity(args) -> None:
@@ -500,8 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--kv-heads", type=int, default=8)
     k.add_argument("--head-dim", type=int, default=128)
     k.add_argument("--variants", default="auto",
-                   help="comma-separated kernel variants, timed side by side (kernels/bench.py VARIANTS: "
-                        "auto, u4, w1-t16, w2-t16, w2, w8, noasm)")
+                   help="comma-separated kernel launches timed side by side: auto (the default rule) or "
+                        "dash-separated fields w<warps> s<step tokens> p<pipeline stages> n<query rows> "
+                        "k<splits, 0 = one program, no merge> r<max registers> noasm, e.g. w2-s32-p3")
     k.add_argument("--no-encode", action="store_true", help="skip the encode timings")
     return p
 
