@@ -20,13 +20,10 @@ for s in $stages; do
     tests)
       NANOKV_TEST_DEVICE=cuda run tests_engine ${T_TESTS:-300} python3 -m pytest -q tests/test_engine.py -p no:cacheprovider
       run tests_kernels ${T_TESTS:-300} python3 -m pytest -q tests/test_kernels.py -p no:cacheprovider ;;
-    kernels)  # encode timings, then one process per (batch, context) cell, so that a fault in one cell cannot void the others
-      run encode ${T_KERNELS:-150} python3 bench.py kernels --kv ${KERNEL_KV:-fp16,kivi-k2v2,kitty,kitty-pro,kvarn,nqkv} \
-        --batch 1,16,64 --ctx "" --json "$LOG/encode.jsonl"
-      for b in ${KERNEL_BATCH:-1 16 64}; do for c in ${KERNEL_CTX:-4096 32768}; do
-        run kernels_b${b}_c${c} ${T_KERNELS:-150} python3 bench.py kernels --kv ${KERNEL_KV:-fp16,kivi-k2v2,kitty,kitty-pro,kvarn,nqkv} \
-          --batch $b --ctx $c --variants ${KERNEL_VARIANTS:-auto} --no-encode ${KERNEL_ARGS:-} --json "$LOG/kernels_b${b}_c${c}.jsonl"
-      done; done ;;
+    kernels)  # the whole table in one process (bench.py syncs before each timing), encode timings included
+      run kernels ${T_KERNELS:-300} python3 bench.py kernels --kv ${KERNEL_KV:-fp16,kivi-k2v2,kivi-k4v4,kitty,kitty-pro,kvmix,kvarn,nqkv} \
+        --batch ${KERNEL_BATCH:-1,16,64} --ctx ${KERNEL_CTX:-4096,32768} --variants ${KERNEL_VARIANTS:-auto} ${KERNEL_ARGS:-} \
+        --json "$LOG/kernels.jsonl" ;;
     speed)
       run speed ${T_SPEED:-420} python3 bench.py speed --config llama3-8b --kv ${SPEED_KV:-fp16,kivi-k2v2,kitty} --batch ${SPEED_BATCH:-1,16} \
         --prompt 512 --new 128 --vs-hf ${SPEED_ARGS:-} --json "$LOG/speed.jsonl" --plot "$FINAL/speed.png" ;;
