@@ -28,7 +28,7 @@ along the reduced axis:
     keys    sum_d qf[d] (off + c[t, d]) = (qf . c[t]) + off * sum_d qf[d]
     values  sum_t w[t] (off + c[t, d])  = (w . c[:, d]) + off * sum_t w[t]
 with qf and w the fp16-rounded operands, so the subtraction cancels exactly what the tensor cores
-added. NF4 levels come from byte-permute lookups in a split fp16 table (_nf4_asm).
+added. NF4 levels come from byte-permute lookups in a split fp16 table (_nf4_lookup_asm).
 
 Scales never touch the tile either: every format decodes as x = (level * scale + zero) * mult
 with scale/zero along one axis (channel or token) and mult along the other (kernels/layout.py).
@@ -170,13 +170,12 @@ def _rows(base, rows, c, c_ok, COLS: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _tile(CODES, page, h, t, c, c_ok, LEVELS, t0: tl.constexpr, STEP: tl.constexpr, H: tl.constexpr,
-          COLS: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, NF4: tl.constexpr,
-          ASM: tl.constexpr, raw, PRELOADED: tl.constexpr):
-    """Tokens t = t0 + arange(STEP), columns c (c_ok: the ones that exist) of a page's [H, ROWS,
-    COLS] plane as a [STEP, len(c)] tile of levels carrying _tile_offset. With PRELOADED, `raw`
-    holds the step's rows of the plane already."""
-    base = CODES + page * (H * ROWS * COLS) + h * (ROWS * COLS)
+def _tile(base, t, c, c_ok, LEVELS, t0: tl.constexpr, STEP: tl.constexpr, COLS: tl.constexpr,
+          MASKED: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, NF4: tl.constexpr, ASM: tl.constexpr, raw,
+          PRELOADED: tl.constexpr):
+    """Tokens t = t0 + arange(STEP), columns c (c_ok: the ones that exist) of one kv head's [ROWS,
+    COLS] plane of a page (at `base`) as a [STEP, len(c)] tile of levels carrying _tile_offset.
+    With PRELOADED, `raw` holds the step's rows of the plane already."""
     if BITS == 16:  # fp16 pages: rows are tokens (only K and V planes: no column mask)
         x = tl.load(base + t[:, None] * COLS + c[None, :])
     elif ROWS % STEP == 0:  # the step lies in one slot of a block of rows: a constant shift
@@ -300,10 +299,10 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
                            other=0.0).to(tl.float32)
             q_hi = (q_hi * (4.0 * qk_scale) * s_hi[None, :]).to(dt)
             q_hi_sum = tl.sum(q_hi.to(tl.float32), 1)
+            hi_plane = K_HIGH + page * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH)
             hi_raw = rs
             if K_ROWS == STEP:
-                hi_raw = _rows(K_HIGH + page * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH), rs, r, r_ok,
-                               K_N_HIGH, True)
+                hi_raw = _rows(hi_plane, rs, r, r_ok, K_N_HIGH, True)
         # ---- values: per-channel factors of the page --------------------------------------------
         if V_MULT_KIND == 2:
             v_chan = _channel_factor(V_MULT, page, h, d, H * D, D)
@@ -314,12 +313,14 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
         # Steps walk blocks of STEP plane rows, and inside a block every slot of those rows (token
         # t0 = slot * ROWS + block * STEP), so each block of rows is loaded and spread once.
         # A plane with exactly STEP rows is loaded once per page.
+        k_plane = K_CODES + page * (H * K_ROWS * D) + h * (K_ROWS * D)
+        v_plane = V_CODES + page * (H * V_ROWS * D) + h * (V_ROWS * D)
         k_raw = rs
         v_raw = rs
         if K_ROWS == STEP:
-            k_raw = _rows(K_CODES + page * (H * K_ROWS * D) + h * (K_ROWS * D), rs, d, d, D, False)
+            k_raw = _rows(k_plane, rs, d, d, D, False)
         if V_ROWS == STEP:
-            v_raw = _rows(V_CODES + page * (H * V_ROWS * D) + h * (V_ROWS * D), rs, d, d, D, False)
+            v_raw = _rows(v_plane, rs, d, d, D, False)
         for blk in tl.static_range(ROWS // STEP):
           for slot_i in tl.static_range(PAGE_T // ROWS):  # noqa: E111 (two loops, one step body)
             # (the step's first token, slot_i * ROWS + blk * STEP, is written out where a constexpr is
@@ -327,12 +328,11 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
             t = slot_i * ROWS + blk * STEP + rs
             # logits of the step's tokens, transposed: [STEP, N]
             if (K_ROWS != STEP) and (K_ROWS == ROWS) and (slot_i == 0):  # a new block of rows
-                k_raw = _rows(K_CODES + page * (H * K_ROWS * D) + h * (K_ROWS * D), t, d, d, D, False)
+                k_raw = _rows(k_plane, t, d, d, D, False)
                 if K_N_HIGH > 0:
-                    hi_raw = _rows(K_HIGH + page * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH), t, r, r_ok,
-                                   K_N_HIGH, True)
-            k = _tile(K_CODES, page, h, t, d, d, LEVELS, slot_i * ROWS + blk * STEP, STEP, H, D, False, K_BITS, K_ROWS, K_NF4, ASM, k_raw,
-                      (K_ROWS == STEP) or (K_ROWS == ROWS))
+                    hi_raw = _rows(hi_plane, t, r, r_ok, K_N_HIGH, True)
+            k = _tile(k_plane, t, d, d, LEVELS, slot_i * ROWS + blk * STEP, STEP, D, False, K_BITS, K_ROWS, K_NF4, ASM,
+                      k_raw, (K_ROWS == STEP) or (K_ROWS == ROWS))
             k_off = _tile_offset(K_BITS, K_ROWS, STEP, slot_i * ROWS + blk * STEP, K_NF4)
             if K_PER_TOKEN and (K_GROUP < D):
                 k = _grouped(k, K_SCALE, K_ZERO, page, h, t, d, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP,
@@ -340,20 +340,18 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
                 s = tl.dot(k.to(dt), tl.trans(qf))
             else:
                 s = tl.dot(k.to(dt), tl.trans(qf))
-                if K_BITS == 16:
-                    pass
-                elif K_PER_TOKEN:
+                if K_PER_TOKEN and (K_BITS != 16):
                     if k_off != 0.0:
                         s -= k_off * q_sum[None, :]
                     s *= _token_factor(K_SCALE, page, h, t, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV)[:, None]
                     if K_HAS_ZERO:
                         k_zero = _token_factor(K_ZERO, page, h, t, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV)
                         s += k_zero[:, None] * q_sum[None, :]
-                else:  # one bias per query row: the zero term minus the offset term
+                elif K_BITS != 16:  # one bias per query row: the zero term minus the offset term
                     s += (q_zero - k_off * q_sum)[None, :]
             if K_N_HIGH > 0:
-                hi = _tile(K_HIGH, page, h, t, r, r_ok, LEVELS, slot_i * ROWS + blk * STEP, STEP, H, K_N_HIGH, True, 2, K_ROWS, False, ASM,
-                           hi_raw, (K_ROWS == STEP) or (K_ROWS == ROWS))
+                hi = _tile(hi_plane, t, r, r_ok, LEVELS, slot_i * ROWS + blk * STEP, STEP, K_N_HIGH, True, 2, K_ROWS,
+                           False, ASM, hi_raw, (K_ROWS == STEP) or (K_ROWS == ROWS))
                 s += tl.dot(hi.to(dt), tl.trans(q_hi)) - _tile_offset(2, K_ROWS, STEP, slot_i * ROWS + blk * STEP, False) * q_hi_sum[None, :]
             if K_MULT_KIND == 1:
                 s *= _token_factor(K_MULT, page, h, t, H * PAGE_T, PAGE_T, 1, 1)[:, None]
@@ -372,9 +370,9 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
             #   per token:   o = mult_d * (sum_t (w scale_t) level_t - off * sum(w scale) + sum(w zero))
             #   per channel: o = scale_d * (sum_t (w mult_t) level_t - off * sum(w mult)) + zero_d * sum(w mult)
             if (V_ROWS != STEP) and (V_ROWS == ROWS) and (slot_i == 0):
-                v_raw = _rows(V_CODES + page * (H * V_ROWS * D) + h * (V_ROWS * D), t, d, d, D, False)
-            v = _tile(V_CODES, page, h, t, d, d, LEVELS, slot_i * ROWS + blk * STEP, STEP, H, D, False, V_BITS, V_ROWS, V_NF4, ASM, v_raw,
-                      (V_ROWS == STEP) or (V_ROWS == ROWS))
+                v_raw = _rows(v_plane, t, d, d, D, False)
+            v = _tile(v_plane, t, d, d, LEVELS, slot_i * ROWS + blk * STEP, STEP, D, False, V_BITS, V_ROWS, V_NF4, ASM,
+                      v_raw, (V_ROWS == STEP) or (V_ROWS == ROWS))
             v_off = _tile_offset(V_BITS, V_ROWS, STEP, slot_i * ROWS + blk * STEP, V_NF4)
             if V_PER_TOKEN and (V_GROUP < D):
                 v = _grouped(v, V_SCALE, V_ZERO, page, h, t, d, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
@@ -592,10 +590,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 # Programs per SM the split rule aims at: each program walks its pages one after the other, so
-# the number in flight is what hides memory latency. One warp per program, no software
-# pipelining: measured fastest on H100 for every format (README, kernel launch sweep); with a
-# [D, N] accumulator and one page's codes live, a warp needs ~255 registers, so an SM keeps 8
-# programs resident and queues the rest.
+# the number in flight is what hides memory latency. One warp per program (two for KVarN), no
+# software pipelining: the fastest launch of an H100 sweep for the 2-bit and 4-bit formats
+# (num_stages 2-3 and 2-4 warps were slower; FP16 pages are within ~5% either way). With a [D, N]
+# accumulator and a page's codes live a warp needs ~255 registers, so an SM keeps 8 programs
+# resident and queues the rest.
 PROGRAMS_PER_SM = 32
 MIN_PAGES_PER_SPLIT = 2
 NUM_WARPS = 1
