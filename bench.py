@@ -6,6 +6,7 @@ can write JSON lines (--json) and, for speed and capacity, a PNG plot (--plot).
     python bench.py speed    --config llama3-8b --dummy --kv fp16,kitty --batch 1,16 --prompt 512 --new 128 --vs-hf
     python bench.py capacity --config llama3-8b --budget-gb 60 --ctx 8192 --kv fp16,kitty
     python bench.py kernels  --kv fp16,kitty --batch 1,16,64 --ctx 4096,32768
+    python bench.py matmul   --config llama3-8b --rows 1,16
 
 Speed and capacity use random weights of the real shapes (--dummy): decode speed does not
 depend on the values, and no 8B checkpoint can reach the GPU machine.
@@ -470,6 +471,38 @@ def cmd_kernels(args) -> None:
         emit(encode, ["kv", "batch", "ms_per_flush"], args.json)
 
 
+def cmd_matmul(args) -> None:
+    """Each decode matmul of the config's shape: cuBLAS beside every Triton GEMV tile, timed the way
+    kernels/matmul.py times them when it picks one (the engine runs the winner)."""
+    from kernels.matmul import CUBLAS, time_candidates
+
+    config = ModelConfig.from_hf(hf_config(args.config))
+    dtype = getattr(torch, args.dtype)
+    hd, kv = config.head_dim, config.n_kv_heads * config.head_dim
+    shapes = {"qkv": (config.n_heads * hd + 2 * kv, config.dim), "o": (config.dim, config.n_heads * hd),
+              "gate_up": (2 * config.ffn_dim, config.dim), "down": (config.dim, config.ffn_dim),
+              "lm_head": (config.vocab_size, config.embedding_dim)}
+    if not config.gated_silu_mlp:
+        shapes.update(gate_up=(config.ffn_dim, config.dim), down=(config.dim, config.ffn_dim))
+    rows = []
+    for name, (n, k) in tqdm(shapes.items(), desc="shapes", file=sys.stderr):
+        weight = torch.empty(n, k, device="cuda", dtype=dtype)
+        for m in _ints(args.rows):
+            times = dict(time_candidates(m, weight))
+            cublas = times.pop(CUBLAS)
+            tile, best = min(times.items(), key=lambda t: t[1])
+            winner = min(cublas, best)
+            rows.append(dict(bench="matmul", config=args.config, dtype=args.dtype, matmul=name, n=n, k=k, rows=m,
+                             cublas_us=cublas, triton_us=best, triton_tile=f"{tile.block_n}x{tile.block_k} w{tile.num_warps}"
+                             f" s{tile.num_stages}", winner="triton" if best < cublas else "cublas",
+                             tb_s=weight.nbytes / winner / 1e6, vs_cublas=cublas / winner,
+                             device=torch.cuda.get_device_name()))
+        del weight
+    print(f"device: {torch.cuda.get_device_name()}")
+    emit(rows, ["matmul", "n", "k", "rows", "cublas_us", "triton_us", "triton_tile", "winner", "tb_s", "vs_cublas"],
+         args.json)
+
+
 # ---- command line -----------------------------------------------------------------------------
 
 
@@ -528,6 +561,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "dash-separated fields w<warps> s<step tokens> p<pipeline stages> n<query rows> "
                         "k<splits, 0 = one program, no merge> r<max registers> noasm, e.g. w2-s32-p3")
     k.add_argument("--no-encode", action="store_true", help="skip the encode timings")
+
+    mm = sub.add_parser("matmul", help="decode matmuls per weight shape: cuBLAS vs the Triton GEMV tiles")
+    mm.add_argument("--config", default="llama3-8b", help=f"{', '.join(CONFIGS)} or a config.json path")
+    mm.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    mm.add_argument("--rows", default="1,16", help="comma-separated input rows (batch sizes <= 16)")
+    mm.add_argument("--json", default=None, help="append results as JSON lines to this file")
     return p
 
 
@@ -535,7 +574,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command != "quality" and not torch.cuda.is_available():
         raise SystemExit(f"error: bench.py {args.command} needs a CUDA GPU")
-    {"quality": cmd_quality, "speed": cmd_speed, "capacity": cmd_capacity, "kernels": cmd_kernels}[args.command](args)
+    commands = {"quality": cmd_quality, "speed": cmd_speed, "capacity": cmd_capacity, "kernels": cmd_kernels,
+                "matmul": cmd_matmul}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":

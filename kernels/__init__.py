@@ -8,6 +8,9 @@
     kernels.merge_partials([(o, lse), ...])              # log-sum-exp merge of partial attentions
     kernels.rms_norm(x, weight, eps), kernels.apply_rope(x, cos, sin), kernels.silu_mul(gate, up)
                                                          # the model's per-token arithmetic
+    kernels.store_token(dense_k, dense_v, k, v, slots, index)   # a decode step's K, V into the dense tier
+    kernels.linear(x, weight, bias)                      # F.linear; decode shapes on CUDA: the fastest
+                                                         # of cuBLAS and a Triton GEMV, measured (linear.py)
 
 backend: "triton" or "torch"; None picks triton for CUDA tensors and torch otherwise.
 Triton on CPU tensors runs under the Triton interpreter (slow; for tests): whether a kernel is
@@ -16,8 +19,8 @@ and, for a CPU call, with TRITON_INTERPRET=1 set first.
 
 Both backends support every quant/ format and every option above (Triton needs a power-of-2
 head dim). Files: reference.py (torch oracle, off-GPU path), layout.py (how the kernels address
-every format's fields), attention.py, quantize.py, elementwise.py (Triton), bench.py (GPU timing hooks for
-`bench.py kernels`).
+every format's fields), attention.py, quantize.py, elementwise.py, gemv.py (Triton), matmul.py (the
+per-shape choice of matmul kernel), bench.py (GPU timing hooks for `bench.py kernels`).
 """
 
 from __future__ import annotations
@@ -102,7 +105,21 @@ def silu_mul(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
     return _implementation("elementwise", gate.device, backend).silu_mul(gate, up)
 
 
+def store_token(dense_k: Tensor, dense_v: Tensor, k: Tensor, v: Tensor, slots: Tensor, index: Tensor,
+                backend: str | None = None) -> None:
+    """Write k, v [B, H, D] of row b into dense_k/v[slots[b], :, index[b]], in place."""
+    _implementation("elementwise", k.device, backend).store_token(dense_k, dense_v, k, v, slots, index)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight, bias). On CUDA, inputs of at most 16 rows (decode) take whichever of
+    cuBLAS and the Triton GEMV measured fastest for this weight shape."""
+    if x.device.type != "cuda":
+        return torch.nn.functional.linear(x, weight, bias)
+    return _triton_module("matmul", x.device).linear(x, weight, bias)
+
+
 merge_partials = reference.merge_partials
 
-__all__ = ["BACKENDS", "apply_rope", "decode_attention", "encode_pages", "merge_partials", "pick_backend",
-           "reference", "rms_norm", "silu_mul"]
+__all__ = ["BACKENDS", "apply_rope", "decode_attention", "encode_pages", "linear", "merge_partials", "pick_backend",
+           "reference", "rms_norm", "silu_mul", "store_token"]

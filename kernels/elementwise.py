@@ -1,5 +1,7 @@
 """Triton kernels for the model's per-token arithmetic between the matmuls: RMSNorm, RoPE and
-the SiLU gate, each one kernel instead of the 2 to 8 that the torch expressions launch.
+the SiLU gate, each one kernel instead of the 2 to 8 that the torch expressions launch, and the
+store of a decode step's new K and V into the cache's dense tier (one kernel for both, in
+place of two index-put kernels and their index arithmetic).
 
 A decode step of a 32-layer model otherwise runs over a thousand such tiny kernels; inside a
 CUDA graph each still costs a couple of microseconds, which at batch 1 is a large share of a
@@ -78,23 +80,55 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(gate_ptr + offs, mask=mask).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=mask).to(tl.float32)
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, gate_row_stride, up_row_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask).to(tl.float32)
+    u = tl.load(up_ptr + row * up_row_stride + cols, mask=mask).to(tl.float32)
     ty = out_ptr.dtype.element_ty
     act = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
-    tl.store(out_ptr + offs, (act * u).to(ty), mask=mask)
+    tl.store(out_ptr + row * n_cols + cols, (act * u).to(ty), mask=mask)
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    """SiLU(gate) * up, elementwise (the gated MLP's activation)."""
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
+    """SiLU(gate) * up, elementwise (the gated MLP's activation). gate and up may be column
+    slices of one fused matmul output: rows are addressed by stride, not copied."""
+    n = gate.shape[-1]
+    gate_rows, up_rows = gate.reshape(-1, n), up.reshape(-1, n)
+    if gate_rows.stride(-1) != 1 or up_rows.stride(-1) != 1:
+        gate_rows, up_rows = gate_rows.contiguous(), up_rows.contiguous()
+    out = torch.empty(gate_rows.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
-    _silu_mul_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block, num_warps=4)
-    return out
+    grid = (gate_rows.shape[0], triton.cdiv(n, block))
+    _silu_mul_kernel[grid](gate_rows, up_rows, out, n, gate_rows.stride(0), up_rows.stride(0), BLOCK=block, num_warps=4)
+    return out.view(gate.shape)
+
+
+@triton.jit
+def _store_token_kernel(k_ptr, v_ptr, dense_k_ptr, dense_v_ptr, slots_ptr, index_ptr, H,
+                        s_k_b, s_k_h, s_v_b, s_v_h, s_d_slot, s_d_h, s_d_t, D: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # one (batch row, kv head)
+    b, h = pid // H, pid % H
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    t = tl.load(index_ptr + b).to(tl.int64)
+    d = tl.arange(0, D)
+    dst = slot * s_d_slot + h * s_d_h + t * s_d_t + d
+    ty = dense_k_ptr.dtype.element_ty
+    tl.store(dense_k_ptr + dst, tl.load(k_ptr + b * s_k_b + h * s_k_h + d).to(ty))
+    tl.store(dense_v_ptr + dst, tl.load(v_ptr + b * s_v_b + h * s_v_h + d).to(ty))
+
+
+def store_token(dense_k: Tensor, dense_v: Tensor, k: Tensor, v: Tensor, slots: Tensor, index: Tensor) -> None:
+    """Write k, v [B, H, D] (any strides, unit last) of row b into dense_k/v[slots[b], :, index[b]]."""
+    B, H, D = k.shape
+    if dense_k.stride() != dense_v.stride() or dense_k.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("store_token needs unit last strides and dense K and V buffers of one layout")
+    if D & (D - 1):
+        raise ValueError(f"store_token needs a power-of-2 head dim, got {D}")
+    _store_token_kernel[(B * H,)](k, v, dense_k, dense_v, slots, index, H, k.stride(0), k.stride(1),
+                                  v.stride(0), v.stride(1), dense_k.stride(0), dense_k.stride(1), dense_k.stride(2),
+                                  D=D, num_warps=1)
 
 
 INTERPRETED = isinstance(_rms_norm_kernel, InterpretedFunction)

@@ -1,5 +1,5 @@
 """Torch reference of the kernels: tiered decode attention, page encoding, and the model's
-per-token arithmetic (RMSNorm, RoPE, SiLU gate).
+per-token arithmetic (RMSNorm, RoPE, SiLU gate, the store of a decode step's K and V).
 
 This is the oracle the Triton kernels are tested against and the path the cache takes
 off-GPU. It favours clarity over speed but is batched and vectorised: pages are gathered
@@ -149,3 +149,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return torch.nn.functional.silu(gate) * up
+
+
+def store_token(dense_k: Tensor, dense_v: Tensor, k: Tensor, v: Tensor, slots: Tensor, index: Tensor) -> None:
+    """Write the decode step's k, v [B, H, D] of row b into dense_k/v[slots[b], :, index[b]]."""
+    dense_k[slots, :, index.long()] = k.to(dense_k.dtype)
+    dense_v[slots, :, index.long()] = v.to(dense_v.dtype)

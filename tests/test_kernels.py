@@ -7,8 +7,10 @@
   128, shuffled pool pages behind strided page-table and tier views, batch rows of very
   different lengths, several queries per row, split-K with empty splits; every output and
   workspace poisoned with NaN (attention) or garbage (pages) first;
-- the Triton RMSNorm, RoPE and SiLU-gate kernels against their torch expressions, on strided
-  views and sizes that are not powers of two, in float32 and (rounding order) float16.
+- the Triton RMSNorm, RoPE, SiLU-gate and K/V-store kernels against their torch expressions, on
+  strided views and sizes that are not powers of two, in float32 and (rounding order) float16;
+- the Triton GEMV (every tile shape the engine may pick, split-K, bias, 1 to 16 rows) and, on a
+  GPU, the per-shape kernel choice of kernels.linear, against F.linear.
 
 Without a GPU the kernels run under the Triton interpreter in float32 (relative error < 1e-3);
 with one they are compiled and fed fp16 operands (< 1e-2). TRITON_INTERPRET must be set
@@ -29,7 +31,7 @@ import quant  # noqa: E402
 from quant.kvmix import kvmix_format  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels import attention, elementwise, quantize, reference  # noqa: E402
+from kernels import attention, elementwise, gemv, matmul, quantize, reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.float16 if CUDA else torch.float32  # q / dot operand type
@@ -327,3 +329,59 @@ def test_elementwise_kernels_match_torch(dtype, head_dim):
 
     gate, up = rand(3, 2500), rand(3, 2500)  # more than one block, a partial last one
     torch.testing.assert_close(elementwise.silu_mul(gate, up), reference.silu_mul(gate, up), **tol)
+    gate, up = rand(2, 3, 2 * 1100).split(1100, dim=-1)  # halves of one fused gate+up output
+    torch.testing.assert_close(elementwise.silu_mul(gate, up), reference.silu_mul(gate, up), **tol)
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+def test_store_token_matches_index_put(dtype):
+    """The decode step's K and V land where the torch index-put puts them, from strided views
+    (heads of one fused projection), and nothing else in the buffers changes."""
+    g = torch.Generator().manual_seed(5)
+    slots_n, H, T, D, B = 5, 2, 12, 32, 3
+    dense = [torch.randn(slots_n, H, T, D, generator=g).to(DEVICE, dtype) for _ in range(4)]  # ours k, v; reference k, v
+    dense[2].copy_(dense[0]), dense[3].copy_(dense[1])
+    qkv = torch.randn(B, 1, 3 * H, D, generator=g).to(DEVICE, torch.float32).transpose(1, 2)  # cast on store
+    k, v = qkv[:, H:2 * H, 0], qkv[:, 2 * H:, 0]
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    index = torch.tensor([11, 0, 7], dtype=torch.int32, device=DEVICE)
+    elementwise.store_token(dense[0], dense[1], k, v, slots, index)
+    reference.store_token(dense[2], dense[3], k, v, slots, index)
+    assert torch.equal(dense[0], dense[2]) and torch.equal(dense[1], dense[3])
+    assert torch.equal(dense[0][4, :, 11], k[0].to(dtype))  # and the reference wrote it at all
+
+
+TILES = sorted(set(matmul.ONE_ROW_TILES + matmul.MULTI_ROW_TILES), key=str)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("tile", TILES[:2] + [gemv.GemvConfig(16, 64, split_k=3)], ids=str)
+def test_gemv_matches_linear(rows, tile):
+    """x @ W^T + b for channel and K counts that are not multiples of the tile (masked edges),
+    with and without split-K (fp32 atomics), from a strided x."""
+    g = torch.Generator().manual_seed(rows)
+    N, K = 3 * tile.block_n + 5, 2 * tile.block_k + 40
+    x = torch.randn(rows, 2 * K, generator=g)[:, :K].to(DEVICE, DTYPE)  # row stride 2K
+    w = torch.randn(N, K, generator=g).to(DEVICE, DTYPE) / K**0.5
+    b = torch.randn(N, generator=g).to(DEVICE, DTYPE)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    for bias in (None, b):
+        got = gemv.gemv(x, w, bias, tile)
+        assert got.dtype == DTYPE and got.shape == (rows, N)
+        expect = ref if bias is not None else ref - b.float()
+        assert (got.float() - expect).abs().max() < TOL * expect.abs().max()
+
+
+@pytest.mark.skipif(not CUDA, reason="the per-shape choice times kernels on a GPU")
+@pytest.mark.parametrize("rows", [1, 4, 16, 17])
+def test_linear_picks_a_kernel_that_matches_f_linear(rows):
+    """Whatever kernels.linear measures fastest (17 rows: always cuBLAS) computes F.linear."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, rows, 512, generator=g).to(DEVICE, DTYPE)[:1]
+    w = (torch.randn(1000, 512, generator=g) / 512**0.5).to(DEVICE, DTYPE)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    got = kernels.linear(x, w)
+    assert got.shape == (1, rows, 1000)
+    assert (got.float() - ref).abs().max() < TOL * ref.abs().max()
+    if rows <= matmul.MAX_ROWS:
+        assert matmul._key(rows, w) in matmul._chosen
