@@ -189,7 +189,7 @@ def _fill(model: Transformer, tensors: Iterator[tuple[str, str, str, torch.Tenso
           source: Path, progress: bool) -> Transformer:
     """Copy (our name, file name, its name there, tensor) items into the model; every parameter must
     be given exactly once and with its shape."""
-    params = model.state_dict()  # detached views of the parameters: copy_ writes through
+    params = model.checkpoint_tensors()  # detached views of the parameters: copy_ writes through
     seen: dict[str, str] = {}
     with torch.no_grad():
         for ours, file, theirs, tensor in tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor",

@@ -172,6 +172,37 @@ def make_norm(config: ModelConfig, dim: int) -> nn.Module:
     return RMSNorm(dim, config.norm_eps)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose decode-shaped calls run the fastest kernel measured for its shape (kernels.linear)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
+    """Several projections of the same input stored as one matrix, their rows stacked in the
+    order of `parts` (name -> rows), so a decode step reads them in one matmul.
+
+    At batch 1 a matmul is a read of its weight, and a small one (Llama-3-8B's k and v are
+    8 MB each) reaches a fraction of the bandwidth a large one does. Checkpoints still name the
+    parts: Transformer.checkpoint_tensors() gives each part's rows as a view to load into.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = parts
+
+    def part_views(self) -> dict[str, torch.Tensor]:
+        """'{part}.weight' / '{part}.bias' -> the rows of that part (views: writes go through)."""
+        views = {}
+        for kind in ("weight", "bias"):
+            tensor = getattr(self, kind)
+            if tensor is not None:
+                for part, rows in zip(self.parts, tensor.detach().split(list(self.parts.values()), dim=0)):
+                    views[f"{part}.{kind}"] = rows
+        return views
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -179,24 +210,27 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.sliding_window = config.sliding_window
         hd = config.head_dim
-        self.q_proj = nn.Linear(config.dim, config.n_heads * hd, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * hd, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.n_heads * hd, config.dim, bias=config.o_bias)
+        kv = config.n_kv_heads * hd
+        self.qkv_proj = FusedLinear(config.dim, {"q_proj": config.n_heads * hd, "k_proj": kv, "v_proj": kv},
+                                    bias=config.qkv_bias)
+        self.o_proj = Linear(config.n_heads * hd, config.dim, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.norm_eps)
             self.k_norm = RMSNorm(hd, config.norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        H, Hkv = self.n_heads, self.n_kv_heads
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)  # heads q | k | v
+        v = qkv[:, H + Hkv:]
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            cos, sin = rope
-            q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
+            q, k = self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H:H + Hkv])
+            if rope is not None:
+                q, k = kernels.apply_rope(q, *rope), kernels.apply_rope(k, *rope)
+        elif rope is not None:  # q and k heads are adjacent: one rotation for both
+            q, k = kernels.apply_rope(qkv[:, :H + Hkv], *rope).split((H, Hkv), dim=1)
+        else:
+            q, k = qkv[:, :H], qkv[:, H:H + Hkv]
         if cache is None:
             o = causal_attention(q, k, v, self.sliding_window)
         else:
@@ -220,16 +254,15 @@ class MLP(nn.Module):
         self.gated = config.gated_silu_mlp
         d, f, b = config.dim, config.ffn_dim, config.mlp_bias
         if self.gated:
-            self.gate_proj = nn.Linear(d, f, bias=b)
-            self.up_proj = nn.Linear(d, f, bias=b)
-            self.down_proj = nn.Linear(f, d, bias=b)
+            self.gate_up_proj = FusedLinear(d, {"gate_proj": f, "up_proj": f}, bias=b)
+            self.down_proj = Linear(f, d, bias=b)
         else:
-            self.fc1 = nn.Linear(d, f, bias=b)
-            self.fc2 = nn.Linear(f, d, bias=b)
+            self.fc1 = Linear(d, f, bias=b)
+            self.fc2 = Linear(f, d, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(kernels.silu_mul(*self.gate_up_proj(x).chunk(2, dim=-1)))
         return self.fc2(F.relu(self.fc1(x)))
 
 
@@ -262,15 +295,29 @@ class Transformer(nn.Module):
         if config.learned_positions:
             self.pos_embeddings = nn.Embedding(config.max_seq_len + self.OPT_POSITION_OFFSET, config.dim)
         if e != config.dim:
-            self.project_in = nn.Linear(e, config.dim, bias=False)
-            self.project_out = nn.Linear(config.dim, e, bias=False)
+            self.project_in = Linear(e, config.dim, bias=False)
+            self.project_out = Linear(config.dim, e, bias=False)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         if config.final_norm:
             self.norm = make_norm(config, config.dim)
         if not config.tie_embeddings:
-            self.lm_head = nn.Linear(e, config.vocab_size, bias=False)
+            self.lm_head = Linear(e, config.vocab_size, bias=False)
         if not config.learned_positions:
             self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a checkpoint supplies, by its name in HF's layout (q_proj, gate_proj, ...
+        as separate matrices), each a view of the parameter it lives in: loading copies into these."""
+        tensors = {}
+        for name, tensor in self.state_dict().items():
+            module_name, _ = name.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            if isinstance(module, FusedLinear):
+                parent = module_name.rpartition(".")[0]
+                tensors.update({f"{parent}.{part}": view for part, view in module.part_views().items()})
+            else:
+                tensors[name] = tensor
+        return tensors
 
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.config.tie_embeddings else self.lm_head.weight
@@ -296,4 +343,4 @@ class Transformer(nn.Module):
             x = self.norm(x)
         if hasattr(self, "project_out"):
             x = self.project_out(x)
-        return F.linear(x, self.output_weight())
+        return kernels.linear(x, self.output_weight())

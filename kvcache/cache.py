@@ -185,9 +185,8 @@ class KVCache:
         c = step.counts[self._window_row[self.windows[layer]]]
         if step.n_new == 1:
             # The kernels read the new token from the recent tier, so it is written first.
-            write_idx = c[0].long()
-            self.dense_k[layer][step.slots_t, :, write_idx] = k[:, :, 0].to(self.dtype)
-            self.dense_v[layer][step.slots_t, :, write_idx] = v[:, :, 0].to(self.dtype)
+            kernels.store_token(self.dense_k[layer], self.dense_v[layer], k[:, :, 0], v[:, :, 0], step.slots_t, c[0],
+                                backend=self.backend)
             o = self._decode_attention(layer, fmt, q[:, :, 0], c, scale)
             return o[:, :, None].to(q.dtype)
         step.pending[layer] = (k, v)

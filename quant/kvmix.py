@@ -20,8 +20,9 @@ Plan file (JSON), one object per layer, in layer order:
 
 The plan of the default model ships in quant/plans/smollm2-135m.json; make one for another
 model with `python -m quant.kvmix profile --model M --out plan.json`. The profiler takes the
-model as an argument (anything with .layers[i].attn.{k,v}_proj and forward(ids) -> logits);
-only the command line loads one, through loading.py.
+model as an argument (anything with .layers[i].attn.qkv_proj, a Linear of q, k and v rows stacked
+whose .parts gives their counts, and forward(ids) -> logits); only the command line loads one,
+through loading.py.
 """
 
 from __future__ import annotations
@@ -182,23 +183,24 @@ def layer_importance(model: torch.nn.Module, prompts: list[Tensor], progress: bo
     """
     from tqdm import tqdm
 
-    attns = [layer.attn for layer in model.layers]
-    weights = [w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)]
+    fused = [layer.attn.qkv_proj for layer in model.layers]  # rows q | k | v, sizes in .parts
+    weights = [proj.weight for proj in fused]
     saved = {p: p.requires_grad for p in model.parameters()}
     for p in saved:
         p.requires_grad_(False)
     for w in weights:
         w.requires_grad_(True)
     device = weights[0].device
-    k_sum, v_sum = [0.0] * len(attns), [0.0] * len(attns)
+    k_sum, v_sum = [0.0] * len(fused), [0.0] * len(fused)
     try:
         for ids in tqdm(prompts, desc="kvmix profile", unit="prompt", disable=not progress):
             ids = ids.to(device)
             logits = model(ids[None])[0, :-1].float()
             grads = torch.autograd.grad(F.cross_entropy(logits, ids[1:]), weights)
-            for i in range(len(attns)):
-                k_sum[i] += grads[2 * i].float().norm().item()
-                v_sum[i] += grads[2 * i + 1].float().norm().item()
+            for i, (proj, grad) in enumerate(zip(fused, grads)):
+                _, k_grad, v_grad = grad.split(list(proj.parts.values()), dim=0)
+                k_sum[i] += k_grad.float().norm().item()
+                v_sum[i] += v_grad.float().norm().item()
     finally:
         for p, flag in saved.items():
             p.requires_grad_(flag)

@@ -138,7 +138,7 @@ def test_gguf_chat_template_matches_hf(ours, hf_tokenizer):
 def test_gguf_tensors_equal_hf_dequantized(ours, hf_model):
     """Every tensor, dequantized and (for Q/K) un-permuted, equals transformers' reading of the file."""
     model, _ = ours
-    mine = model.state_dict()
+    mine = model.checkpoint_tensors()
     compared = set()
     for name, ref in hf_model.state_dict().items():
         our_name = loading.hf_name_to_ours(name)
@@ -261,7 +261,7 @@ def test_synthetic_gguf_logits_match_hf(arch, tmp_path):
 
 
 def assert_same_weights(model, hf, dtype=None):
-    mine = model.state_dict()
+    mine = model.checkpoint_tensors()
     seen = set()
     for name, ref in hf.state_dict().items():
         our_name = loading.hf_name_to_ours(name)

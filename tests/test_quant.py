@@ -365,7 +365,8 @@ def test_kvmix_default_plan(monkeypatch, tmp_path):
 
 
 class TinyLM(torch.nn.Module):
-    """Just enough of a model for the profiler: layers[i].attn.{k,v}_proj and forward(ids) -> logits."""
+    """Just enough of a model for the profiler: layers[i].attn.qkv_proj (q | k | v rows, counts in
+    .parts) and forward(ids) -> logits."""
 
     def __init__(self, layers: int = 4, dim: int = 8, vocab: int = 16):
         super().__init__()
@@ -374,13 +375,15 @@ class TinyLM(torch.nn.Module):
         for _ in range(layers):
             block = torch.nn.Module()
             block.attn = torch.nn.Module()
-            block.attn.k_proj, block.attn.v_proj = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+            block.attn.qkv_proj = torch.nn.Linear(dim, 3 * dim)
+            block.attn.qkv_proj.parts = {"q_proj": dim, "k_proj": dim, "v_proj": dim}
             self.layers.append(block)
 
     def forward(self, ids):
         x = self.emb(ids)
         for block in self.layers:
-            x = x + torch.tanh(block.attn.k_proj(x)) * block.attn.v_proj(x)
+            q, k, v = block.attn.qkv_proj(x).chunk(3, dim=-1)
+            x = x + torch.tanh(k) * v + 0.1 * q
         return self.head(x)
 
 
@@ -389,13 +392,13 @@ def test_kvmix_layer_importance_is_mean_gradient_norm():
     model = TinyLM()
     prompts = [torch.randint(0, 16, (12,)) for _ in range(3)]
     k_imp, v_imp = kvmix.layer_importance(model, prompts, progress=False)
-    # oracle: plain backward, .grad of each projection, averaged by hand
+    # oracle: plain backward, .grad of the K and V rows of each projection, averaged by hand
     expect_k, expect_v = torch.zeros(4), torch.zeros(4)
     for ids in prompts:
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(ids[None])[0, :-1], ids[1:]).backward()
-        expect_k += torch.stack([b.attn.k_proj.weight.grad.norm() for b in model.layers])
-        expect_v += torch.stack([b.attn.v_proj.weight.grad.norm() for b in model.layers])
+        expect_k += torch.stack([b.attn.qkv_proj.weight.grad[8:16].norm() for b in model.layers])
+        expect_v += torch.stack([b.attn.qkv_proj.weight.grad[16:].norm() for b in model.layers])
     assert torch.allclose(torch.tensor(k_imp), expect_k / 3, rtol=1e-5)
     assert torch.allclose(torch.tensor(v_imp), expect_v / 3, rtol=1e-5)
     assert all(p.requires_grad for p in model.parameters())  # restored after profiling
