@@ -56,6 +56,10 @@ class Request:
     n_sampled: int = 0  # tokens sampled so far, including one whose value is still on the GPU
     generator: torch.Generator | None = None
     _emitted: int = 0  # characters of `text` already streamed
+    # Incremental detokenization (LLM._new_text): `text` is the text of output_ids[:_read_offset];
+    # output_ids[_prefix_offset:_read_offset] are decoded again as the context of the ids after them.
+    _prefix_offset: int = 0
+    _read_offset: int = 0
 
     @property
     def finished(self) -> bool:
@@ -260,29 +264,65 @@ class LLM:
             req.finish_reason = "eos"
         else:
             req.output_ids.append(token)
-            req.text = self.tokenizer.decode(req.output_ids, skip_special=True) if self.tokenizer else ""
-            for s in p.stop:
-                cut = req.text.find(s)
-                if cut >= 0:
-                    req.text, req.finish_reason = req.text[:cut], "stop"
-                    break
-            if not req.finished and len(req.output_ids) >= p.max_new_tokens:
+            if len(req.output_ids) >= p.max_new_tokens:
                 req.finish_reason = "length"
+        if self.tokenizer:  # after the finish reason: a finished request's held-back text is read too
+            searched = len(req.text)
+            req.text += self._new_text(req)
+            self._cut_at_stop(req, searched)
         self._stream(req)
         if req.finished:
             self._retire(req)
 
+    def _new_text(self, req: Request) -> str:
+        """The text that output_ids past req._read_offset add to req.text, from decoding a few ids
+        only (decoding all of them for every token would cost O(n^2) in the output length).
+
+        A token's text depends on the ids before it: a sentencepiece word marker reads as a space
+        except at the start, and a character may be split over several byte tokens. So the new
+        ids are decoded with the ids of the previous read (from _prefix_offset) in front, and the
+        new text is what that adds to decoding the previous read alone. It is held back, the
+        offsets staying put, while it ends in U+FFFD (half a character, whose next bytes are
+        still to come) or is empty (a skipped special token: read on, it would leave the window
+        without the text that keeps a sentencepiece decoder from stripping the next word's
+        space), until the request finishes and everything left is read."""
+        ids, start, read = req.output_ids, req._prefix_offset, req._read_offset
+        if read == len(ids):
+            return ""
+        before = self.tokenizer.decode(ids[start:read], skip_special=True)
+        after = self.tokenizer.decode(ids[start:], skip_special=True)
+        if not req.finished and (len(after) <= len(before) or after.endswith("\ufffd")):
+            return ""
+        if after.startswith(before):
+            new = after[len(before):]
+        else:
+            # Only a byte-fallback decoder (tokenizers' ByteFallback) rewrites text it gave
+            # before: an invalid byte turns its whole run of byte tokens into U+FFFD. The text
+            # read already stays (it may have been streamed); the new ids are read on their own.
+            new = self.tokenizer.decode(ids[read:], skip_special=True)
+        req._prefix_offset, req._read_offset = read, len(ids)
+        return new
+
+    def _cut_at_stop(self, req: Request, searched: int) -> None:
+        """End the request at the earliest stop string in req.text. The first `searched`
+        characters held none, so only the text after them is searched, plus the len(stop) - 1
+        characters before it where a stop string may have begun."""
+        cuts = [i for s in req.params.stop if (i := req.text.find(s, max(0, searched - len(s) + 1))) >= 0]
+        if cuts:
+            req.text, req.finish_reason = req.text[: min(cuts)], "stop"
+
     def _stream(self, req: Request) -> None:
-        # Hold back a trailing replacement char (half a UTF-8 sequence) and anything that could
-        # still grow into a stop string, so streamed text is never taken back.
-        text = req.text
+        # req.text never ends in half a UTF-8 character before the request finishes (_new_text
+        # holds those bytes back); hold back here anything that could still grow into a stop
+        # string, so streamed text is never taken back.
+        end = len(req.text)
         if not req.finished:
-            text = text.rstrip("\ufffd")
             hold = max((len(s) - 1 for s in req.params.stop), default=0)
-            text = text[: max(req._emitted, len(text) - hold)]
-        if req.on_text and len(text) > req._emitted:
-            req.on_text(req, text[req._emitted:])
-        req._emitted = max(req._emitted, len(text))
+            end = max(req._emitted, end - hold)
+        if end > req._emitted:
+            if req.on_text:
+                req.on_text(req, req.text[req._emitted:end])
+            req._emitted = end
 
     def _retire(self, req: Request) -> None:
         self.cache.release(req.slot)

@@ -1,19 +1,21 @@
 """The model and the decode loop against HF transformers, on tiny random models of every family.
 
-Oracle: transformers' own forward and greedy generate (fp32, CPU) on the same saved weights.
+Oracle: transformers' own forward and greedy generate (fp32, CPU) on the same saved weights;
+for the text of the tokens, the tokenizer's own decode of all of them at once.
 NANOKV_TEST_DEVICE=cuda runs our side on the GPU in fp16 with the Triton kernels.
 """
 
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
 
 import loading
-from engine import LLM, SamplingParams
-from tests.tiny_models import FAMILIES, make_tiny_model
+from engine import LLM, Request, SamplingParams
+from tests.tiny_models import FAMILIES, byte_level_tokenizer, make_tiny_model
 
 DEVICE = os.environ.get("NANOKV_TEST_DEVICE", "cpu")
 DTYPE = torch.float32 if DEVICE == "cpu" else torch.float16
@@ -218,3 +220,180 @@ def test_eos_and_stop_strings_end_requests_without_disturbing_the_batch(tmp_path
     assert reqs[2].finish_reason == "length" and reqs[2].output_ids == alone[2]
     assert llm.cache.pool.num_free == llm.cache.pool.num_pages
     assert llm.cache.num_free_slots == 2
+
+
+# ---- detokenization: text is decoded incrementally, token by token -------------------------------
+
+SAMPLE = "héllo{special} wörld 日本語 🙂 👍🏽\n"  # 2-, 3- and 4-byte characters and a modifier
+# Pieces of random texts: characters that come as several byte tokens, spaces, words, and special
+# tokens (skipped in the text; each kind of tokenizer has one of them, the others are plain text).
+PIECES = [*"ab xyz\n  éö日本語🙂👍🏽☃", "<s>", "</s>", "<|im_start|>", " the", "ing"]
+TOKENIZER_KINDS = {  # kind: the special token it skips in SAMPLE
+    "smollm2-gguf": "<|im_start|>",  # byte-level BPE (tokenizers), the default model's
+    "byte-level": "",  # one token per byte (the tiny models'): every non-ASCII character is split
+    "sentencepiece": "<s>",  # tokenizer.model: sentencepiece itself, with byte fallback
+    "sentencepiece-gguf": "<s>",  # the same vocabulary from GGUF metadata: tokenizers' ByteFallback and Strip
+}
+
+
+@pytest.fixture(scope="module")
+def text_llm(tmp_path_factory) -> LLM:
+    """An LLM whose tokens the tests choose: they hand them to _accept as if sampled."""
+    folder = tmp_path_factory.mktemp("text")
+    make_tiny_model("llama", folder)
+    return make_llm(folder)
+
+
+def sentencepiece_model() -> bytes:
+    """A small sentencepiece BPE vocabulary set up like Llama-2's (byte fallback, <s> and </s>)."""
+    import inspect
+    import io
+    import textwrap
+
+    import sentencepiece
+
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(inspect.getsource(textwrap).splitlines()), model_writer=out, model_type="bpe",
+        vocab_size=400, byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+    )
+    return out.getvalue()
+
+
+def gguf_metadata(spm: bytes) -> dict:
+    """The GGUF tokenizer metadata ("llama" model) that llama.cpp writes for a sentencepiece vocabulary."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_proto=spm)
+    n = sp.get_piece_size()
+    kinds = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+            "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)], "tokenizer.ggml.token_type": kinds,
+            "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory) -> dict[str, loading.Tokenizer]:
+    """Every kind of TOKENIZER_KINDS."""
+    byte_level, spm = tmp_path_factory.mktemp("byte-level"), tmp_path_factory.mktemp("sentencepiece")
+    byte_level_tokenizer().save(str(byte_level / "tokenizer.json"))
+    model = sentencepiece_model()
+    (spm / "tokenizer.model").write_bytes(model)
+    (spm / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    return {"smollm2-gguf": loading.load_tokenizer(None), "byte-level": loading.Tokenizer.from_folder(byte_level),
+            "sentencepiece": loading.Tokenizer.from_folder(spm),
+            "sentencepiece-gguf": loading.Tokenizer.from_gguf_metadata(gguf_metadata(model))}
+
+
+def feed(llm: LLM, tokenizer, ids: list[int], **params) -> tuple[Request, list[str]]:
+    """Hand `ids` to the engine one at a time as if sampled, until the request finishes (by default
+    at the last id); returns the request and the chunks of text it streamed."""
+    llm.tokenizer, llm.eos_ids = tokenizer, tokenizer.eos_ids
+    params = SamplingParams(**{"max_new_tokens": len(ids), "ignore_eos": True, **params})
+    chunks: list[str] = []
+    req = Request(0, [0], params, on_text=lambda r, text: chunks.append(text))
+    req.slot = llm.cache.admit(1)  # for _retire to give back: no step runs
+    for token in ids:
+        if req.finished:
+            break
+        llm._accept(req, token)
+    assert req.finished
+    return req, chunks
+
+
+@pytest.mark.parametrize("kind", TOKENIZER_KINDS)
+def test_streamed_text_is_the_full_decode(text_llm, tokenizers, kind):
+    """Oracle: the tokenizer's own decode of all the output ids at once. The streamed chunks add up
+    to the final text, and none holds half a character."""
+    tok = tokenizers[kind]
+    rng = random.Random(9)
+    texts = [SAMPLE.format(special=TOKENIZER_KINDS[kind])]
+    texts += ["".join(rng.choice(PIECES) for _ in range(rng.randrange(1, 25))) for _ in range(100)]
+    for text in texts:
+        ids = tok.encode(text, add_bos=False)
+        req, chunks = feed(text_llm, tok, ids)
+        assert req.text == "".join(chunks) == tok.decode(ids, skip_special=True), text
+        assert not any("\ufffd" in chunk for chunk in chunks), text
+    assert req.text  # the last random text decodes to something, lest this test pass on empty text
+
+
+@pytest.mark.parametrize("kind", ["smollm2-gguf", "byte-level", "sentencepiece"])  # for ByteFallback: the next test
+def test_half_characters_are_read_when_the_request_ends(text_llm, tokenizers, kind):
+    """A request that ends (by EOS or its token limit) in the middle of a character, or holds a
+    stray byte, gets the text the tokenizer makes of those bytes (U+FFFD) in full and in its stream."""
+    tok = tokenizers[kind]
+    emoji, kanji = tok.encode("🙂", add_bos=False), tok.encode("日", add_bos=False)
+    broken = tok.encode("a", add_bos=False) + emoji[:-1] + tok.encode("b", add_bos=False) + kanji[:-1]
+    req, chunks = feed(text_llm, tok, broken)
+    assert req.finish_reason == "length"
+    assert req.text == "".join(chunks) == tok.decode(broken, skip_special=True)
+    assert req.text.endswith("\ufffd")
+    if tok.eos_ids:
+        req, chunks = feed(text_llm, tok, broken + [min(tok.eos_ids)], max_new_tokens=100, ignore_eos=False)
+        assert req.finish_reason == "eos"
+        assert req.text == "".join(chunks) == tok.decode(broken, skip_special=True)
+
+
+def test_byte_fallback_keeps_streamed_text_on_an_invalid_byte(text_llm, tokenizers):
+    """tokenizers' ByteFallback turns a whole run of byte tokens into U+FFFD when any of them is
+    invalid, so a full decode would take back a character streamed before the bad byte came. The
+    engine keeps it and reads the ids after it on their own."""
+    tok = tokenizers["sentencepiece-gguf"]
+    ids = tok.encode("x☃", add_bos=False) + [tok.backend.token_to_id("<0x80>")] + tok.encode("b", add_bos=False)
+    assert tok.decode(ids, skip_special=True) == "x\ufffd\ufffd\ufffd\ufffd b"
+    req, chunks = feed(text_llm, tok, ids)
+    assert req.text == "".join(chunks) == "x☃\ufffd b"
+
+
+@pytest.mark.parametrize("stops, expected", [
+    (["lo wö"], "hél"),  # spans three tokens of SmolLM2 ('llo', ' w', 'ör')
+    (["本語"], "héllo wörld 日"),  # completed by the last of 語's byte tokens
+    (["ld", "wörld"], "héllo "),  # both complete at 'ld': the earlier one in the text wins
+    (["🙂 x"], SAMPLE.format(special="")),  # its start is held back from the stream, then let go
+])
+@pytest.mark.parametrize("kind", ["smollm2-gguf", "byte-level"])
+def test_stop_strings_across_tokens_are_cut(text_llm, tokenizers, kind, stops, expected):
+    tok = tokenizers[kind]
+    text = SAMPLE.format(special="")
+    ids = tok.encode(text, add_bos=False)
+    req, chunks = feed(text_llm, tok, ids, stop=stops)
+    assert req.text == "".join(chunks) == expected  # nothing streamed was taken back
+    # it ended at the token that completed a stop string
+    prefixes = [tok.decode(ids[:n], skip_special=True) for n in range(len(ids) + 1)]
+    assert len(req.output_ids) == next((n for n, t in enumerate(prefixes) if any(s in t for s in stops)), len(ids))
+    assert req.finish_reason == ("length" if expected == text else "stop")
+
+
+class CountingTokenizer:
+    """A tokenizer that counts the ids it is asked to decode."""
+
+    def __init__(self, tok: loading.Tokenizer):
+        self.tok, self.eos_ids, self.decoded = tok, tok.eos_ids, 0
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        self.decoded += len(ids)
+        return self.tok.decode(ids, skip_special)
+
+
+@pytest.mark.parametrize("kind", TOKENIZER_KINDS)
+def test_decoding_work_per_token_does_not_grow_with_the_output(text_llm, tokenizers, kind):
+    """Each token decodes a window of recent ids only, whatever the length of the output (~1000
+    tokens here): the ids of the previous read (at most one character's byte tokens, 4) and those
+    since (up to 4 while a character is incomplete), without and with the latter: 4 + 8 ids."""
+    tok = tokenizers[kind]
+    counting = CountingTokenizer(tok)
+    text = SAMPLE.format(special=TOKENIZER_KINDS[kind]) * 40
+    ids = tok.encode(text, add_bos=False)
+    chunks: list[str] = []
+    params = SamplingParams(max_new_tokens=len(ids), ignore_eos=True)
+    req = Request(0, [0], params, on_text=lambda r, text: chunks.append(text))
+    req.slot = text_llm.cache.admit(1)
+    text_llm.tokenizer, text_llm.eos_ids = counting, tok.eos_ids
+    per_token = []
+    for token in ids:
+        before = counting.decoded
+        text_llm._accept(req, token)
+        per_token.append(counting.decoded - before)
+    assert len(ids) > 800 and max(per_token) <= 12
+    assert req.text == "".join(chunks) == tok.decode(ids, skip_special=True)
