@@ -275,13 +275,27 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config, config.dim)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream x, plus `pending`: the previous block's MLP output, not yet added
+        (pre-norm adds it inside this block's first norm kernel). Returns this block's (x, pending)."""
         if self.pre_norm:
-            x = x + self.attn(self.attn_norm(x), rope, cache)
-            return x + self.mlp(self.mlp_norm(x))
+            x, normed = add_then_norm(self.attn_norm, x, pending)
+            x, normed = add_then_norm(self.mlp_norm, x, self.attn(normed, rope, cache))
+            return x, self.mlp(normed)
         # post-norm (opt-350m): normalise after each residual add
         x = self.attn_norm(x + self.attn(x, rope, cache))
-        return self.mlp_norm(x + self.mlp(x))
+        return self.mlp_norm(x + self.mlp(x)), None
+
+
+def add_then_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, norm(x + h)); h None adds nothing. An RMSNorm does both in one kernel: at batch 1
+    the residual add is a launch of its own for a few KB of work."""
+    if h is None:
+        return x, norm(x)
+    if isinstance(norm, RMSNorm):
+        return kernels.add_rms_norm(x, h, norm.weight, norm.eps)
+    x = x + h
+    return x, norm(x)
 
 
 class Transformer(nn.Module):
@@ -337,10 +351,13 @@ class Transformer(nn.Module):
             angles = positions[..., None].float() * self.inv_freq
             angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D] broadcast over heads
             rope = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+        pending = None
         for layer in self.layers:
-            x = layer(x, rope, cache)
+            x, pending = layer(x, pending, rope, cache)
         if hasattr(self, "norm"):
-            x = self.norm(x)
+            x = add_then_norm(self.norm, x, pending)[1]
+        elif pending is not None:
+            x = x + pending
         if hasattr(self, "project_out"):
             x = self.project_out(x)
         return kernels.linear(x, self.output_weight())

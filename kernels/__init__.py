@@ -6,7 +6,8 @@
         -> o, or (o, lse) with return_lse                 # arguments: kernels/reference.py
     kernels.encode_pages(codec, x, pool_fields, page_ids, backend=None)   # x [N, H, T, D] -> pages, in place
     kernels.merge_partials([(o, lse), ...])              # log-sum-exp merge of partial attentions
-    kernels.rms_norm(x, weight, eps), kernels.apply_rope(x, cos, sin), kernels.silu_mul(gate, up)
+    kernels.rms_norm(x, weight, eps), kernels.add_rms_norm(x, h, weight, eps) -> (x + h, its norm),
+    kernels.apply_rope(x, cos, sin), kernels.silu_mul(gate, up)
                                                          # the model's per-token arithmetic
     kernels.store_token(dense_k, dense_v, k, v, slots, index)   # a decode step's K, V into the dense tier
     kernels.linear(x, weight, bias)                      # F.linear; decode shapes on CUDA: the fastest
@@ -95,6 +96,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str | None = None) 
     return _implementation("elementwise", x.device, backend).rms_norm(x, weight, eps)
 
 
+def add_rms_norm(x: Tensor, h: Tensor, weight: Tensor, eps: float,
+                 backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """The residual add and the RMSNorm after it: (x + h, rms_norm(x + h))."""
+    return _implementation("elementwise", x.device, backend).add_rms_norm(x, h, weight, eps)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, backend: str | None = None) -> Tensor:
     """Rotary embedding of x [B, H, T, D] by cos/sin [B, 1, T, D] (rotate_half convention)."""
     return _implementation("elementwise", x.device, backend).apply_rope(x, cos, sin)
@@ -121,5 +128,5 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 merge_partials = reference.merge_partials
 
-__all__ = ["BACKENDS", "apply_rope", "decode_attention", "encode_pages", "linear", "merge_partials", "pick_backend",
+__all__ = ["BACKENDS", "add_rms_norm", "apply_rope", "decode_attention", "encode_pages", "linear", "merge_partials", "pick_backend",
            "reference", "rms_norm", "silu_mul", "store_token"]

@@ -1,5 +1,5 @@
-"""Triton kernels for the model's per-token arithmetic between the matmuls: RMSNorm, RoPE and
-the SiLU gate, each one kernel instead of the 2 to 8 that the torch expressions launch, and the
+"""Triton kernels for the model's per-token arithmetic between the matmuls: RMSNorm (alone or
+after the residual add), RoPE and the SiLU gate, each one kernel instead of the 2 to 8 that the torch expressions launch, and the
 store of a decode step's new K and V into the cache's dense tier (one kernel for both, in
 place of two index-put kernels and their index arithmetic).
 
@@ -21,15 +21,20 @@ from torch import Tensor
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    ty = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if ADD:  # the residual sum, rounded as the torch add rounds it, is both stored and normalised
+        x = (x.to(tl.float32) + tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)).to(ty)
+        tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
+    x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = (x * rstd).to(ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * n_cols + cols, (normed * w).to(ty), mask=mask)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -38,8 +43,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     rows = x.reshape(-1, n).contiguous()
     out = torch.empty_like(rows)
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, n, eps, BLOCK=block, num_warps=min(8, max(1, block // 512)))
+    _rms_norm_kernel[(rows.shape[0],)](rows, rows, w_ptr=weight, sum_ptr=rows, out_ptr=out, n_cols=n, eps=eps,
+                                       ADD=False, BLOCK=block, num_warps=min(8, max(1, block // 512)))
     return out.view(x.shape)
+
+
+def add_rms_norm(x: Tensor, h: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + h, RMSNorm(x + h)) in one kernel: the residual add folded into the norm after it."""
+    n = x.shape[-1]
+    rows, add = x.reshape(-1, n).contiguous(), h.reshape(-1, n).contiguous()
+    total, out = torch.empty_like(rows), torch.empty_like(rows)
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows.shape[0],)](rows, add, w_ptr=weight, sum_ptr=total, out_ptr=out, n_cols=n, eps=eps,
+                                       ADD=True, BLOCK=block, num_warps=min(8, max(1, block // 512)))
+    return total.view(x.shape), out.view(x.shape)
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """Torch reference of the kernels: tiered decode attention, page encoding, and the model's
-per-token arithmetic (RMSNorm, RoPE, SiLU gate, the store of a decode step's K and V).
+per-token arithmetic (RMSNorm, residual add + RMSNorm, RoPE, SiLU gate, the store of a decode step's K and V).
 
 This is the oracle the Triton kernels are tested against and the path the cache takes
 off-GPU. It favours clarity over speed but is batched and vectorised: pages are gathered
@@ -139,6 +139,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, h: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add and the RMSNorm of its (rounded) sum: (x + h, rms_norm(x + h))."""
+    total = x + h
+    return total, rms_norm(total, weight, eps)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -317,6 +317,9 @@ def test_elementwise_kernels_match_torch(dtype, head_dim):
 
     x, w = rand(3, 5, 100), rand(100)  # rows of a size that is not a power of two
     torch.testing.assert_close(elementwise.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), **tol)
+    h = rand(3, 5, 100)
+    for got, expect in zip(elementwise.add_rms_norm(x, h, w, 1e-6), reference.add_rms_norm(x, h, w, 1e-6)):
+        torch.testing.assert_close(got, expect, **tol)
 
     B, H, T = 2, 3, 4
     q = rand(B, T, H, head_dim).transpose(1, 2)  # the projection's view: heads not outermost
