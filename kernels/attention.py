@@ -234,12 +234,12 @@ def _dense_tier(q, m_i, l_i, acc, k_base, v_base, s_t, n, first, q_pos, window, 
         ok = t < n
         off = t[:, None] * s_t + d[None, :]
         k = tl.load(k_base + off, mask=ok[:, None], other=0.0).to(dt)
+        v = tl.load(v_base + off, mask=ok[:, None], other=0.0).to(dt)  # issued with k: one memory latency per step
         seen = ok[:, None]
         if HAS_WINDOW:
             seen = seen & (q_pos[None, :] - (first + t)[:, None] < window)
         s = tl.where(seen, tl.dot(k, tl.trans(qf)), float("-inf"))
         m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
-        v = tl.load(v_base + off, mask=ok[:, None], other=0.0).to(dt)
         acc = tl.dot(tl.trans(v), p.to(dt), acc * alpha[None, :])
     return m_i, l_i, acc
 
@@ -409,12 +409,16 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
 
 
 @triton.jit
-def _page_split(n_pg, num_splits, MIN_PAGES: tl.constexpr):
-    """Pages per split of a row of n_pg pages, and how many of its num_splits splits get any:
+def _page_split(n_pg, num_splits, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr):
+    """Pages per split of a row of n_pg pages, and how many of its num_splits splits get any.
+    A row of up to SHORT_PAGES pages gets one-page splits: it has few programs, and the
+    longest chain of dependent steps sets its time. Longer rows take at least MIN_PAGES per split
+    (a split's fixed cost, and the merge, outweigh the shorter chain there).
     the split kernel and the merge agree on both, so the splits past a row's end (most of them
     under a CUDA graph, whose split count is sized for the longest row the page table holds)
     neither compute nor write, and the merge never reads them."""
-    per = tl.maximum(tl.cdiv(n_pg, tl.maximum(num_splits, 1)), MIN_PAGES)  # (num_splits = 0: one program)
+    least = tl.where(n_pg <= SHORT_PAGES, 1, MIN_PAGES)
+    per = tl.maximum(tl.cdiv(n_pg, tl.maximum(num_splits, 1)), least)  # (num_splits = 0: one program)
     return per, tl.cdiv(n_pg, per)
 
 
@@ -426,7 +430,7 @@ def _split_kernel(
     qk_scale, num_splits, M, n_queries, q_pos_offset, window, s_pt_b, s_pt_p,
     s_sink_b, s_sink_h, s_sink_t, s_rec_b, s_rec_h, s_rec_t,
     H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_T: tl.constexpr, STEP: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, MIN_PAGES: tl.constexpr, DENSE_STEP: tl.constexpr, ROTATED: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, DENSE_STEP: tl.constexpr, TIERS: tl.constexpr, ROTATED: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, ASM: tl.constexpr, ONE_PROGRAM: tl.constexpr, RETURN_LSE: tl.constexpr,
     K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
     K_S_HEAD: tl.constexpr, K_S_TOK: tl.constexpr, K_HDIV: tl.constexpr, K_GROUP: tl.constexpr,
@@ -437,7 +441,7 @@ def _split_kernel(
 ):
     bh = tl.program_id(0)
     part = tl.program_id(1)
-    split = part - 2  # page split; -2: the sink, -1: the recent tier
+    split = part - TIERS  # page split >= 0; part 0: the sink; parts 1 .. TIERS-1: chunks of the recent tier
     b = bh // H
     h = bh % H
     dt = Q.dtype.element_ty  # tl.dot operand type: fp16 on the GPU path, fp32 for exact tests
@@ -458,7 +462,7 @@ def _split_kernel(
     # positions: sink token i -> i, page p token t -> n_sink + PAGE_T p + t, recent token i -> after the pages;
     # query row n (head-major, query-minor) sits at q_pos; with a window it sees pos only while q_pos - pos < window
     q_pos = n_sink + n_pg * PAGE_T + n_rec + q_pos_offset + n_rows % n_queries
-    per, n_live = _page_split(n_pg, num_splits, MIN_PAGES)
+    per, n_live = _page_split(n_pg, num_splits, MIN_PAGES, SHORT_PAGES)
     if ONE_PROGRAM or ((split >= 0) and (split < n_live)):
         # quantized pages [p0, p1) of this row, q in the pages' (maybe rotated) domain
         q = tl.load(QP + q_off, mask=n_ok[:, None], other=0.0)  # kept in dt: fewer live registers
@@ -482,16 +486,22 @@ def _split_kernel(
         if ROTATED:  # back from the rotated domain: o @ U, here U^T @ o^T (linear, so before normalizing)
             acc = tl.dot(tl.load(UNROT + d[None, :] * D + d[:, None]), acc)
     if ONE_PROGRAM or split < 0:
-        # FP16 tiers: part 0 = sink, part 1 = recent (one program: both, after the pages)
+        # FP16 tiers: part 0 = sink, parts 1.. = the recent tier in equal chunks of whole steps (at a
+        # short context these chains of dependent steps, not the pages, are the longest program;
+        # one program: all of it, after the pages)
         q = tl.load(Q + q_off, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        if ONE_PROGRAM or split == -2:
+        if ONE_PROGRAM or part == 0:
             m_i, l_i, acc = _dense_tier(q, m_i, l_i, acc, SINK_K + slot * s_sink_b + h * s_sink_h,
                                         SINK_V + slot * s_sink_b + h * s_sink_h, s_sink_t, n_sink, 0, q_pos, window,
                                         d, qk_scale, dt, HAS_WINDOW, DENSE_STEP)
-        if ONE_PROGRAM or split == -1:
-            m_i, l_i, acc = _dense_tier(q, m_i, l_i, acc, REC_K + slot * s_rec_b + h * s_rec_h,
-                                        REC_V + slot * s_rec_b + h * s_rec_h, s_rec_t, n_rec, n_sink + n_pg * PAGE_T,
-                                        q_pos, window, d, qk_scale, dt, HAS_WINDOW, DENSE_STEP)
+        if ONE_PROGRAM or part > 0:
+            chunk = tl.cdiv(tl.cdiv(n_rec, TIERS - 1), DENSE_STEP) * DENSE_STEP
+            r0 = 0 if ONE_PROGRAM else (part - 1) * chunk
+            n_chunk = n_rec if ONE_PROGRAM else tl.minimum(n_rec - r0, chunk)
+            m_i, l_i, acc = _dense_tier(q, m_i, l_i, acc, REC_K + slot * s_rec_b + h * s_rec_h + r0 * s_rec_t,
+                                        REC_V + slot * s_rec_b + h * s_rec_h + r0 * s_rec_t, s_rec_t, n_chunk,
+                                        n_sink + n_pg * PAGE_T + r0, q_pos, window, d, qk_scale, dt, HAS_WINDOW,
+                                        DENSE_STEP)
     # an empty split (no pages in its window, an empty tier) writes o = 0, lse = -inf: it drops out of
     # the merge; a split past the row's last page writes nothing
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -502,27 +512,28 @@ def _split_kernel(
         if RETURN_LSE:
             tl.store(LSE_OUT + bh * M + n_rows, lse * 0.6931471805599453, mask=n_ok)  # base 2 -> natural log
     elif split < n_live:
-        row = (bh * (num_splits + 2) + part) * M + n_rows
+        row = (bh * (num_splits + TIERS) + part) * M + n_rows
         tl.store(O_PART + row[None, :] * D + d[:, None], o, mask=n_ok[None, :])
         tl.store(LSE_PART + row, lse, mask=n_ok)
 
 
 @triton.jit
 def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, M, H: tl.constexpr, D: tl.constexpr,
-                  D_BLOCK: tl.constexpr, MIN_PAGES: tl.constexpr, CHUNK: tl.constexpr, RETURN_LSE: tl.constexpr):
+                  D_BLOCK: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, TIERS: tl.constexpr, CHUNK: tl.constexpr,
+                  RETURN_LSE: tl.constexpr):
     """out[bh, m] = sum over the row's written partials of o_s * 2^lse_s / sum 2^lse_s (0 if no
     split saw a token), and optionally the total log-sum-exp in natural log. The partials are the
-    two FP16 tiers and the row's live page splits (_page_split), read CHUNK at a time; each
+    FP16 tiers' TIERS parts and the row's live page splits (_page_split), read CHUNK at a time; each
     program merges D_BLOCK channels (at batch 1 there are few rows, so channels give the parallelism)."""
     bh = tl.program_id(0)
     m = tl.program_id(1)
     d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
-    _, n_live = _page_split(tl.load(NPAGES + bh // H).to(tl.int32), num_splits, MIN_PAGES)
-    n_read = n_live + 2
+    _, n_live = _page_split(tl.load(NPAGES + bh // H).to(tl.int32), num_splits, MIN_PAGES, SHORT_PAGES)
+    n_read = n_live + TIERS
     top = tl.full([CHUNK], float("-inf"), tl.float32)
     for s0 in range(0, n_read, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
-        part = (bh * (num_splits + 2) + s) * M + m
+        part = (bh * (num_splits + TIERS) + s) * M + m
         top = tl.maximum(top, tl.load(LSE_PART + part, mask=s < n_read, other=float("-inf")))
     top = tl.max(top, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
@@ -530,7 +541,7 @@ def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, M, H: tl.c
     out = tl.zeros([CHUNK, D_BLOCK], tl.float32)
     for s0 in range(0, n_read, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
-        part = (bh * (num_splits + 2) + s) * M + m
+        part = (bh * (num_splits + TIERS) + s) * M + m
         lse = tl.load(LSE_PART + part, mask=s < n_read, other=float("-inf"))
         w = tl.exp2(lse - top)
         total += w
@@ -553,13 +564,16 @@ class Launch:
 
     num_splits: page splits per (row, kv head), 0 = one program walks everything (no merge);
     default: default_splits. programs_per_sm: what the default split count aims at
-    (PROGRAMS_PER_SM). step: tokens per inner step (a power of 2, 16..PAGE_TOKENS; default
+    (PROGRAMS_PER_SM). min_pages: fewest pages per split (MIN_PAGES_PER_SPLIT). recent_parts:
+    programs the FP16 recent tier is split over (RECENT_PARTS). step: tokens per inner step (a power of 2, 16..PAGE_TOKENS; default
     _step). block_n: query rows per program (a power of 2 >= 8; default the rows rounded up to
     BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton launch options (defaults NUM_WARPS
     or NUM_WARPS_ROTATED, NUM_STAGES). asm: unpack codes with PTX (default whenever compiled)."""
 
     num_splits: int | None = None
     programs_per_sm: int | None = None
+    min_pages: int | None = None
+    recent_parts: int | None = None
     step: int | None = None
     block_n: int | None = None
     num_warps: int | None = None
@@ -597,6 +611,13 @@ def _sm_count(device: torch.device) -> int:
 # resident and queues the rest.
 PROGRAMS_PER_SM = 32
 MIN_PAGES_PER_SPLIT = 2
+# Short rows (up to 4k tokens) split one page per program, and the FP16 recent tier (up to 255
+# tokens) is split over 4 programs, so that no program walks more than ~4 dependent steps: at
+# batch 1 and 512 tokens the attention took 18.6 us with a 2-page minimum and one recent-tier
+# program, 8.5 us like this (H100, bench.py kernels --variants); at 32k the 2-page minimum is
+# 6-16% faster, and 4 recent-tier programs cost nothing at batch 16.
+SHORT_ROW_PAGES = 32
+RECENT_PARTS = 4
 NUM_WARPS = 1
 NUM_WARPS_ROTATED = 2  # KVarN's [D, D] un-rotation at the end spills badly in one warp
 NUM_STAGES = 1
@@ -606,7 +627,8 @@ MERGE_CHUNK = 64
 BLOCK_N_MIN = 8
 
 
-def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: int | None = None) -> int:
+def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: int | None = None,
+                   min_pages: int | None = None) -> int:
     """Page splits per (row, kv head) for rows of up to max_pages pages and `programs` (row, kv head,
     query block) triples: enough programs to fill the GPU PROGRAMS_PER_SM times, at least
     MIN_PAGES_PER_SPLIT pages each. Splits divide each row's own pages, so max_pages (e.g. the page
@@ -614,7 +636,7 @@ def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: 
     if max_pages == 0:
         return 1
     want = -(-(per_sm or PROGRAMS_PER_SM) * _sm_count(device) // programs)
-    return max(1, min(want, -(-max_pages // MIN_PAGES_PER_SPLIT)))
+    return max(1, min(want, -(-max_pages // (min_pages or MIN_PAGES_PER_SPLIT))))
 
 
 def _block_rows(kl: Layout, vl: Layout, step: int) -> int:
@@ -668,7 +690,8 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
     n_blocks = triton.cdiv(M, block_n)
     num_splits = launch.num_splits
     if num_splits is None:
-        num_splits = default_splits(page_table.shape[1], B * H * n_blocks, q.device, launch.programs_per_sm)
+        num_splits = default_splits(page_table.shape[1], B * H * n_blocks, q.device, launch.programs_per_sm,
+                                    launch.min_pages)
         num_splits = 0 if num_splits == 1 else num_splits  # one split: no partials, no merge
     asm = launch.asm
     if asm and INTERPRETED:
@@ -676,7 +699,9 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
     qp = fmt.rotate(q4).contiguous() if fmt.rotated else q4
     unrot = _unrotation(fmt, D, q.device) if fmt.rotated else q4
     one = num_splits == 0
-    n_parts = 1 if one else num_splits + 2
+    tiers = 1 + (launch.recent_parts or RECENT_PARTS)
+    min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
+    n_parts = 1 if one else num_splits + tiers
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     elif not out.is_contiguous():
@@ -699,7 +724,7 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
         s_sink_b=sink_k.stride(0), s_sink_h=sink_k.stride(1), s_sink_t=sink_k.stride(2),
         s_rec_b=recent_k.stride(0), s_rec_h=recent_k.stride(1), s_rec_t=recent_k.stride(2),
         H=H, D=D, BLOCK_N=block_n, PAGE_T=PAGE_TOKENS, STEP=step, BLOCK_ROWS=_block_rows(kl, vl, step),
-        MIN_PAGES=MIN_PAGES_PER_SPLIT, DENSE_STEP=32,
+        MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, DENSE_STEP=32, TIERS=tiers,
         ROTATED=fmt.rotated, NB_PAD=max(16, triton.next_power_of_2(kl.n_high)),
         HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None, ASM=not INTERPRETED if asm is None else asm,
         ONE_PROGRAM=one, RETURN_LSE=return_lse,
@@ -708,6 +733,6 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
     if not one:
         d_block = min(D, 32)
         _merge_kernel[(B * H, M, D // d_block)](o_part, lse_part, out, lse, n_pages, num_splits, M, H=H, D=D, D_BLOCK=d_block,
-                                  MIN_PAGES=MIN_PAGES_PER_SPLIT,
+                                  MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, TIERS=tiers,
                                   CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(n_parts)), RETURN_LSE=return_lse)
     return (out, lse) if return_lse else out

@@ -206,19 +206,26 @@ def test_tile_options_do_not_change_the_result(name: str):
         call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(step=128))
 
 
+@pytest.mark.parametrize("short_pages", [32, 0])
 @pytest.mark.parametrize("window,lse", [(None, False), (300, True)])
-def test_split_count_does_not_change_the_result(window, lse, monkeypatch):
-    """1, 2, 7 and 20 splits and a single program per row that walks every tier itself and writes
+def test_split_count_does_not_change_the_result(window, lse, short_pages, monkeypatch):
+    """1, 2, 7 and 20 splits, the recent tier split over 3 programs with one-page splits, and a
+    single program per row that walks every tier itself and writes
     the result without the merge kernel (num_splits=0), on rows of very different lengths: the
     same output and log-sum-exp. Splits past a row's last page write nothing and the merge must
-    not read them (the partials start as NaN); 20 splits take the merge more than one chunk."""
+    not read them (the partials start as NaN); 20 splits take the merge more than one chunk.
+    short_pages 0: every row takes the long rows' two-page minimum per split."""
     monkeypatch.setattr(attention, "MERGE_CHUNK", 4)
+    monkeypatch.setattr(attention, "SHORT_ROW_PAGES", short_pages)
     monkeypatch.setattr(attention, "_scratch", lambda shape, device: torch.full(shape, float("nan"), device=device))
     gen = torch.Generator().manual_seed(7)
     c = make_cache(get_format("kitty"), 2, 64, *ROWS["long"], gen)
     q = torch.randn(2, 8, 64, generator=gen).to(DEVICE, DTYPE)
-    outs = [call(attention.decode_attention, q, c, 0.125, window=window, return_lse=lse,
-                 launch=attention.Launch(num_splits=s)) for s in (1, 2, 7, 20, 0)]
+    launches = [attention.Launch(num_splits=s) for s in (1, 2, 7, 20)]
+    # the recent tier over 3 programs (chunks past its end are empty), one-page splits
+    launches += [attention.Launch(num_splits=7, recent_parts=3, min_pages=1), attention.Launch(num_splits=0)]
+    outs = [call(attention.decode_attention, q, c, 0.125, window=window, return_lse=lse, launch=launch)
+            for launch in launches]
     outs = [o if lse else (o, None) for o in outs]
     for o, l in outs[1:]:
         torch.testing.assert_close(o.float(), outs[0][0].float(), rtol=TOL, atol=TOL)
