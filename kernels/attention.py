@@ -636,7 +636,8 @@ def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: 
     if max_pages == 0:
         return 1
     want = -(-(per_sm or PROGRAMS_PER_SM) * _sm_count(device) // programs)
-    return max(1, min(want, -(-max_pages // (min_pages or MIN_PAGES_PER_SPLIT))))
+    least = 1 if max_pages <= SHORT_ROW_PAGES else (min_pages or MIN_PAGES_PER_SPLIT)  # as _page_split
+    return max(1, min(want, -(-max_pages // least)))
 
 
 def _block_rows(kl: Layout, vl: Layout, step: int) -> int:
