@@ -478,12 +478,11 @@ def cmd_matmul(args) -> None:
 
     config = ModelConfig.from_hf(hf_config(args.config))
     dtype = getattr(torch, args.dtype)
-    hd, kv = config.head_dim, config.n_kv_heads * config.head_dim
-    shapes = {"qkv": (config.n_heads * hd + 2 * kv, config.dim), "o": (config.dim, config.n_heads * hd),
-              "gate_up": (2 * config.ffn_dim, config.dim), "down": (config.dim, config.ffn_dim),
-              "lm_head": (config.vocab_size, config.embedding_dim)}
-    if not config.gated_silu_mlp:
-        shapes.update(gate_up=(config.ffn_dim, config.dim), down=(config.dim, config.ffn_dim))
+    with torch.device("meta"):  # the model's own matmul shapes (fused q/k/v and gate/up), no memory
+        model = Transformer(config)
+    shapes = {name.rpartition(".")[2].removesuffix("_proj"): tuple(m.weight.shape) for name, m in model.layers[0].named_modules()
+              if isinstance(m, torch.nn.Linear)}
+    shapes["lm_head"] = tuple(model.output_weight().shape)
     rows = []
     for name, (n, k) in tqdm(shapes.items(), desc="shapes", file=sys.stderr):
         weight = torch.empty(n, k, device="cuda", dtype=dtype)

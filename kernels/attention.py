@@ -334,21 +334,19 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
             k = _tile(k_plane, t, d, d, LEVELS, slot_i * ROWS + blk * STEP, STEP, D, False, K_BITS, K_ROWS, K_NF4, ASM,
                       k_raw, (K_ROWS == STEP) or (K_ROWS == ROWS))
             k_off = _tile_offset(K_BITS, K_ROWS, STEP, slot_i * ROWS + blk * STEP, K_NF4)
-            if K_PER_TOKEN and (K_GROUP < D):
+            if K_PER_TOKEN and (K_GROUP < D):  # decoded in the tile: nothing left to correct after the product
                 k = _grouped(k, K_SCALE, K_ZERO, page, h, t, d, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP,
                              K_HAS_ZERO, k_off)
-                s = tl.dot(k.to(dt), tl.trans(qf))
-            else:
-                s = tl.dot(k.to(dt), tl.trans(qf))
-                if K_PER_TOKEN and (K_BITS != 16):
-                    if k_off != 0.0:
-                        s -= k_off * q_sum[None, :]
-                    s *= _token_factor(K_SCALE, page, h, t, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV)[:, None]
-                    if K_HAS_ZERO:
-                        k_zero = _token_factor(K_ZERO, page, h, t, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV)
-                        s += k_zero[:, None] * q_sum[None, :]
-                elif K_BITS != 16:  # one bias per query row: the zero term minus the offset term
-                    s += (q_zero - k_off * q_sum)[None, :]
+            s = tl.dot(k.to(dt), tl.trans(qf))
+            if K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16):
+                if k_off != 0.0:
+                    s -= k_off * q_sum[None, :]
+                s *= _token_factor(K_SCALE, page, h, t, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV)[:, None]
+                if K_HAS_ZERO:
+                    k_zero = _token_factor(K_ZERO, page, h, t, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV)
+                    s += k_zero[:, None] * q_sum[None, :]
+            elif (not K_PER_TOKEN) and (K_BITS != 16):  # one bias per query row: the zero term minus the offset term
+                s += (q_zero - k_off * q_sum)[None, :]
             if K_N_HIGH > 0:
                 hi = _tile(hi_plane, t, r, r_ok, LEVELS, slot_i * ROWS + blk * STEP, STEP, K_N_HIGH, True, 2, K_ROWS,
                            False, ASM, hi_raw, (K_ROWS == STEP) or (K_ROWS == ROWS))

@@ -1,9 +1,9 @@
 """Write a GGUF with random F16 weights of the shape that `bench.py speed --config C` times, so that
 llama.cpp's llama-bench / llama-batched-bench run the very same shape as nanokv.
 
-The shape is read from bench.py's CONFIGS (parsed, not imported: no torch needed) or from a
-config.json path, as bench.py's hf_config does, so the two cannot disagree. Speed only: one random
-array per tensor shape, shared by every layer. Needs numpy and the gguf package.
+The shape comes from bench.py's own hf_config (a built-in config name or a config.json path), so
+the two cannot disagree. Speed only: one random array per tensor shape, shared by every layer.
+Needs nanokv's requirements (bench.py imports torch) and the gguf package.
 
     python scripts/make_gguf.py --config llama3-8b --out .peers/models/llama3-8b-f16.gguf
 
@@ -14,39 +14,22 @@ Cached: when OUT exists with exactly the size this shape gives, nothing is writt
 from __future__ import annotations
 
 import argparse
-import ast
-import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench import hf_config  # noqa: E402  (the shapes bench.py speed times)
+from model import rope_inv_freq  # noqa: E402
 
 # model_type in the HF config -> llama.cpp architecture (the tensor names below are the same)
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}
-
-
-def bench_configs(bench_py: Path = ROOT / "bench.py") -> dict:
-    """bench.py's CONFIGS dict, read from its source (it is made of dict(...) calls and literals)."""
-    tree = ast.parse(bench_py.read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "CONFIGS" for t in node.targets):
-            return eval(compile(ast.Expression(node.value), str(bench_py), "eval"), {"__builtins__": {}, "dict": dict})
-    raise SystemExit(f"error: no CONFIGS in {bench_py}")
-
-
-def hf_config(name_or_path: str) -> dict:
-    configs = bench_configs()
-    if name_or_path in configs:
-        return dict(configs[name_or_path])
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise SystemExit(f"error: --config {name_or_path!r} is neither a bench.py config ({', '.join(configs)}) nor a config.json file")
-    return json.loads(path.read_text())
 
 
 def shape(cfg: dict, args) -> dict:
@@ -67,24 +50,15 @@ def shape(cfg: dict, args) -> dict:
 
 
 def llama3_rope_factors(s: dict) -> np.ndarray | None:
-    """rope_freqs.weight for llama3-type RoPE scaling, computed as llama.cpp's converter does."""
+    """rope_freqs.weight for llama3-type RoPE scaling: how much slower each channel pair turns than
+    unscaled RoPE (llama.cpp divides its frequencies by these), from nanokv's own rope_inv_freq."""
     rs = s["rope_scaling"] or {}
     if rs.get("rope_type", rs.get("type")) != "llama3":
         return None
-    factor, low, high = rs.get("factor", 8.0), rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-    old = rs.get("original_max_position_embeddings", 8192)
-    freqs = 1.0 / (s["theta"] ** (np.arange(0, s["head_dim"], 2, dtype=np.float32) / s["head_dim"]))
-    out = []
-    for f in freqs:
-        wavelen = 2 * math.pi / f
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1.0 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
+    rope = dict(head_dim=s["head_dim"], rope_theta=s["theta"])
+    plain = rope_inv_freq(SimpleNamespace(**rope, rope_scaling=None))
+    scaled = rope_inv_freq(SimpleNamespace(**rope, rope_scaling={**rs, "rope_type": "llama3"}))
+    return (plain / scaled).numpy()
 
 
 def tensor_specs(s: dict) -> list[tuple[str, tuple[int, ...], str]]:

@@ -189,14 +189,13 @@ def test_table_with_a_side_missing(tmp_path, capsys):
 
 
 def test_gguf_shapes_follow_bench_configs():
-    """make_gguf reads bench.py's CONFIGS without importing it; the tensors it writes hold exactly
-    as many weights as nanokv's own model of that config."""
+    """The tensors make_gguf writes for each of bench.py's configs hold exactly as many weights as
+    nanokv's own model of that config."""
     import torch
 
     import bench
     from model import ModelConfig, Transformer
 
-    assert make_gguf.bench_configs() == bench.CONFIGS
     for name in ["llama3-8b", "llama3.1-8b", "qwen3-8b", "mistral-7b"]:
         s = make_gguf.shape(bench.hf_config(name), _no_overrides())
         gguf_params = sum(_numel(shp) for _, shp, kind in make_gguf.tensor_specs(s) if kind != "rope")
