@@ -155,6 +155,30 @@ def _token_factor(PTR, page, h, t, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, S
 
 
 @triton.jit
+def _page_token_factors(PTR, page, h, USED: tl.constexpr, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr,
+                        S_TOK: tl.constexpr, HDIV: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
+                        PAGE_T: tl.constexpr):
+    """A page's per-token factor (scale, zero or multiplier) as a float32 [steps, STEP] tile, row i
+    for step i of _pages' step loop (i = block * slots + slot), loaded at the page's start in one
+    go (zeros, never read, unless USED). Loaded at its own step, a factor held that step up: it
+    reaches the logits' layout through shared memory, and the store waited on the load (ncu,
+    kitty batch 16 / 32k)."""
+    i = tl.arange(0, PAGE_T // STEP)
+    t = (i % (PAGE_T // ROWS) * ROWS + i // (PAGE_T // ROWS) * STEP)[:, None] + tl.arange(0, STEP)[None, :]
+    factors = tl.zeros([PAGE_T // STEP, STEP], tl.float32)
+    if USED:
+        factors = tl.load(PTR + page * S_PAGE + (h // HDIV) * S_HEAD + t * S_TOK).to(tl.float32)
+    return factors
+
+
+@triton.jit
+def _step_row(tile, i: tl.constexpr):
+    """Row i of a [steps, STEP] tile: a select and a sum over the steps (no memory access)."""
+    rows = tl.arange(0, tile.shape[0])
+    return tl.sum(tl.where(rows[:, None] == i, tile, 0.0), 0)
+
+
+@triton.jit
 def _channel_factor(PTR, page, h, d, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr):
     """Float32 [D]: a per-channel factor of kv head h (scale, zero or KVarN's value multiplier)."""
     return tl.load(PTR + page * S_PAGE + h * S_HEAD + d).to(tl.float32)
@@ -321,6 +345,20 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
             k_raw = _rows(k_plane, rs, d, d, D, False)
         if V_ROWS == STEP:
             v_raw = _rows(v_plane, rs, d, d, D, False)
+        K_TOKEN_SCALED: tl.constexpr = K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16)
+        V_TOKEN_SCALED: tl.constexpr = V_PER_TOKEN and (V_GROUP >= D) and (V_BITS != 16)
+        k_scales = _page_token_factors(K_SCALE, page, h, K_TOKEN_SCALED, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV,
+                                       ROWS, STEP, PAGE_T)
+        k_zeros = _page_token_factors(K_ZERO, page, h, K_TOKEN_SCALED and K_HAS_ZERO, K_S_PAGE, K_S_HEAD,
+                                      K_S_TOK, K_HDIV, ROWS, STEP, PAGE_T)
+        k_mults = _page_token_factors(K_MULT, page, h, K_MULT_KIND == 1, H * PAGE_T, PAGE_T, 1, 1, ROWS, STEP,
+                                      PAGE_T)
+        v_scales = _page_token_factors(V_SCALE, page, h, V_TOKEN_SCALED, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV,
+                                       ROWS, STEP, PAGE_T)
+        v_zeros = _page_token_factors(V_ZERO, page, h, V_PER_TOKEN and V_HAS_ZERO and (V_BITS != 16), V_S_PAGE,
+                                      V_S_HEAD, V_S_TOK, V_HDIV, ROWS, STEP, PAGE_T)
+        v_mults = _page_token_factors(V_MULT, page, h, V_MULT_KIND == 1, H * PAGE_T, PAGE_T, 1, 1, ROWS, STEP,
+                                      PAGE_T)
         for blk in tl.static_range(ROWS // STEP):
           for slot_i in tl.static_range(PAGE_T // ROWS):  # noqa: E111 (two loops, one step body)
             # (the step's first token, slot_i * ROWS + blk * STEP, is written out where a constexpr is
@@ -341,9 +379,9 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
             if K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16):
                 if k_off != 0.0:
                     s -= k_off * q_sum[None, :]
-                s *= _token_factor(K_SCALE, page, h, t, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV)[:, None]
+                s *= _step_row(k_scales, blk * (PAGE_T // ROWS) + slot_i)[:, None]
                 if K_HAS_ZERO:
-                    k_zero = _token_factor(K_ZERO, page, h, t, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV)
+                    k_zero = _step_row(k_zeros, blk * (PAGE_T // ROWS) + slot_i)
                     s += k_zero[:, None] * q_sum[None, :]
             elif (not K_PER_TOKEN) and (K_BITS != 16):  # one bias per query row: the zero term minus the offset term
                 s += (q_zero - k_off * q_sum)[None, :]
@@ -352,7 +390,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
                            False, ASM, hi_raw, (K_ROWS == STEP) or (K_ROWS == ROWS))
                 s += tl.dot(hi.to(dt), tl.trans(q_hi)) - _tile_offset(2, K_ROWS, STEP, slot_i * ROWS + blk * STEP, False) * q_hi_sum[None, :]
             if K_MULT_KIND == 1:
-                s *= _token_factor(K_MULT, page, h, t, H * PAGE_T, PAGE_T, 1, 1)[:, None]
+                s *= _step_row(k_mults, blk * (PAGE_T // ROWS) + slot_i)[:, None]
             if HAS_WINDOW:
                 s = tl.where(q_pos[None, :] - (pos0 + p * PAGE_T + t)[:, None] < window, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
@@ -379,21 +417,20 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
                 ww = w.to(dt)
             else:
                 if V_PER_TOKEN and (V_BITS != 16):
-                    ww = (w * _token_factor(V_SCALE, page, h, t, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV)[:, None]).to(dt)
+                    ww = (w * _step_row(v_scales, blk * (PAGE_T // ROWS) + slot_i)[:, None]).to(dt)
                 elif V_MULT_KIND == 1:
-                    ww = (w * _token_factor(V_MULT, page, h, t, H * PAGE_T, PAGE_T, 1, 1)[:, None]).to(dt)
+                    ww = (w * _step_row(v_mults, blk * (PAGE_T // ROWS) + slot_i)[:, None]).to(dt)
                 else:
                     ww = w.to(dt)
             if V_APART:  # per-channel factors: this step's product is scaled before it joins acc
                 off_w = v_off * tl.sum(ww.to(tl.float32), 0)
                 if V_PER_TOKEN and V_HAS_ZERO:
-                    off_w -= tl.sum(w * _token_factor(V_ZERO, page, h, t, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV)[:, None],
-                                    0)
+                    off_w -= tl.sum(w * _step_row(v_zeros, blk * (PAGE_T // ROWS) + slot_i)[:, None], 0)
                 pv = v_chan[:, None] * (tl.dot(tl.trans(v.to(dt)), ww) - off_w[None, :])
                 if (not V_PER_TOKEN) and V_HAS_ZERO:
                     w_sum = tl.sum(w, 0)
                     if V_MULT_KIND == 1:
-                        w_sum = tl.sum(w * _token_factor(V_MULT, page, h, t, H * PAGE_T, PAGE_T, 1, 1)[:, None], 0)
+                        w_sum = tl.sum(w * _step_row(v_mults, blk * (PAGE_T // ROWS) + slot_i)[:, None], 0)
                     pv += v_zero_chan[:, None] * w_sum[None, :]
                 acc += pv
             else:
@@ -402,7 +439,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
                     if v_off != 0.0:
                         corr_tile += v_off * ww.to(tl.float32)
                     if V_PER_TOKEN and V_HAS_ZERO and (V_BITS != 16) and (V_GROUP == D):
-                        corr_tile -= w * _token_factor(V_ZERO, page, h, t, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV)[:, None]
+                        corr_tile -= w * _step_row(v_zeros, blk * (PAGE_T // ROWS) + slot_i)[:, None]
     return m_i, tl.sum(l_tile, 0), acc, tl.sum(corr_tile, 0)
 
 
