@@ -150,7 +150,8 @@ def _levels(raw, LEVELS, BITS: tl.constexpr, SLOT: tl.constexpr, NF4: tl.constex
 @triton.jit
 def _token_factor(PTR, page, h, t, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, S_TOK: tl.constexpr,
                   HDIV: tl.constexpr):
-    """Float32 [len(t)]: a per-token factor of kv head h (scale, zero or KVarN's key multiplier)."""
+    """Float32, shaped like the token indices t: a per-token factor of kv head h (scale, zero or a
+    multiplier)."""
     return tl.load(PTR + page * S_PAGE + (h // HDIV) * S_HEAD + t * S_TOK).to(tl.float32)
 
 
@@ -167,7 +168,7 @@ def _page_token_factors(PTR, page, h, USED: tl.constexpr, S_PAGE: tl.constexpr, 
     t = (i % (PAGE_T // ROWS) * ROWS + i // (PAGE_T // ROWS) * STEP)[:, None] + tl.arange(0, STEP)[None, :]
     factors = tl.zeros([PAGE_T // STEP, STEP], tl.float32)
     if USED:
-        factors = tl.load(PTR + page * S_PAGE + (h // HDIV) * S_HEAD + t * S_TOK).to(tl.float32)
+        factors = _token_factor(PTR, page, h, t, S_PAGE, S_HEAD, S_TOK, HDIV)
     return factors
 
 

@@ -125,7 +125,6 @@ def bench_attention(kv: str, batch: int, context: int, variants=("auto",), **sha
 
         try:
             fn()
-            torch.cuda.synchronize()
             ms = do_bench_cudagraph(fn, return_mode="median") / len(ring)
             r.update(ms=ms, ms_eager=do_bench(fn, return_mode="median") / len(ring), bytes_per_s=nbytes / (ms * 1e-3))
         except Exception as e:  # noqa: BLE001 - report and go on with the other variants

@@ -83,18 +83,12 @@ def tensor_specs(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
 def new_writer(gguf, path: Path, s: dict):
     w = gguf.GGUFWriter(str(path), s["arch"])
     w.add_name(f"nanokv random {s['arch']}")
-    w.add_context_length(s["ctx"])
-    w.add_embedding_length(s["dim"])
-    w.add_block_count(s["layers"])
-    w.add_feed_forward_length(s["ffn"])
-    w.add_head_count(s["heads"])
-    w.add_head_count_kv(s["kv_heads"])
-    w.add_key_length(s["head_dim"])
-    w.add_value_length(s["head_dim"])
-    w.add_rope_dimension_count(s["head_dim"])
-    w.add_rope_freq_base(s["theta"])
-    w.add_layer_norm_rms_eps(s["eps"])
-    w.add_vocab_size(s["vocab"])
+    hyper = {"context_length": "ctx", "embedding_length": "dim", "block_count": "layers",
+             "feed_forward_length": "ffn", "head_count": "heads", "head_count_kv": "kv_heads",
+             "key_length": "head_dim", "value_length": "head_dim", "rope_dimension_count": "head_dim",
+             "rope_freq_base": "theta", "layer_norm_rms_eps": "eps", "vocab_size": "vocab"}
+    for field, key in hyper.items():  # w.add_<field>(value): the GGUF keys llama.cpp reads for the shape
+        getattr(w, f"add_{field}")(s[key])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     # a SentencePiece-style vocabulary of placeholder pieces: the benchmarks feed random token ids
     n = s["vocab"]
