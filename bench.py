@@ -3,20 +3,19 @@ at a fixed memory budget, and the attention kernels. Every command prints a mark
 can write JSON lines (--json) and, for speed and capacity, a PNG plot (--plot).
 
     python bench.py quality  --text FILE --ctx 2048 --kv fp16,kivi-k2v2,kitty
-    python bench.py speed    --config llama3-8b --dummy --kv fp16,kitty --batch 1,16 --prompt 512 --new 128 --vs-hf
+    python bench.py speed    --config llama3-8b --kv fp16,kitty --batch 1,16 --prompt 512 --new 128 --vs-hf
     python bench.py capacity --config llama3-8b --budget-gb 60 --ctx 8192 --kv fp16,kitty
     python bench.py kernels  --kv fp16,kitty --batch 1,16,64 --ctx 4096,32768
     python bench.py matmul   --config llama3-8b --rows 1,16
 
-Speed and capacity use random weights of the real shapes (--dummy): decode speed does not
-depend on the values, and no 8B checkpoint can reach the GPU machine.
+Speed, capacity and matmul run random weights of a real model's shape (shapes.py): decode speed
+does not depend on the weights' values.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -24,59 +23,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import loading
 import quant
-from engine import LLM, Request, SamplingParams
-from kvcache.cache import pages_for, slot_bytes
+from config import BACKENDS, EngineConfig
+from kvcache import CacheShape
+from llm import LLM
 from model import ModelConfig, Transformer
-
-# Real hyperparameters of the models whose shapes the speed benchmarks use (their HF config.json).
-CONFIGS = {
-    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
-                      max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    # Llama-3.1-8B: the same shape with its 128k context (llama3 RoPE scaling); a long page table
-    "llama3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
-                        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                          original_max_position_embeddings=8192)),
-    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
-                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=1000000.0,
-                       max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False),
-    "opt-6.7b": dict(model_type="opt", vocab_size=50272, hidden_size=4096, ffn_dim=16384, num_hidden_layers=32,
-                     num_attention_heads=32, max_position_embeddings=2048, word_embed_proj_dim=4096,
-                     do_layer_norm_before=True, activation_function="relu", tie_word_embeddings=True),
-}
-
-
-def hf_config(name_or_path: str) -> dict:
-    if name_or_path in CONFIGS:
-        return dict(CONFIGS[name_or_path])
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise SystemExit(f"error: --config {name_or_path!r} is neither a built-in ({', '.join(CONFIGS)}) nor a config.json file")
-    return json.loads(path.read_text())
-
-
-def dummy_model(cfg: dict, device: str, dtype: torch.dtype, max_seq_len: int | None = None) -> Transformer:
-    """A Transformer of the config's real shape with random weights, built directly on the device."""
-    config = ModelConfig.from_hf(cfg)
-    if max_seq_len:
-        config.max_seq_len = max(config.max_seq_len, max_seq_len)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Transformer(config)
-    finally:
-        torch.set_default_dtype(default)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    return model.eval()
+from sampling import SamplingParams
+from shapes import CONFIGS, hf_config, random_model, weight_bytes_per_step
 
 
 def emit(rows: list[dict], columns: list[str], json_path: str | None) -> None:
@@ -100,38 +54,19 @@ def _fmt(x) -> str:
 # ---- quality ---------------------------------------------------------------------------------
 
 
-@torch.inference_mode()
 def teacher_forced_logprobs(llm: LLM, ids: list[int], prefix: int, block: int) -> torch.Tensor:
     """Log-probabilities of the next token at positions prefix-1 .. len-2, feeding the true text
     through the cache: a prefill of `prefix` tokens, then blocks of `block` tokens (1 = real
     decoding: every page is written by the decode path)."""
-    cache, model = llm.cache, llm.model
-    slot = cache.admit(len(ids))
-    x = torch.tensor([ids], device=llm.device)
-    out = []
-    try:
-        pos = 0
-        for size in [prefix] + [block] * math.ceil((len(ids) - 1 - prefix) / block):
-            size = min(size, len(ids) - 1 - pos)
-            if size <= 0:
-                break
-            cache.begin_step([slot], size)
-            logits = model(x[:, pos:pos + size], torch.arange(pos, pos + size, device=llm.device)[None], cache=cache)
-            cache.end_step()
-            out.append(torch.log_softmax(logits[0].float(), -1))
-            pos += size
-    finally:
-        cache.release(slot)
-    return torch.cat(out)[prefix - 1:]
+    rest = len(ids) - 1 - prefix
+    blocks = [prefix] + [block] * (rest // block) + ([rest % block] if rest % block else [])
+    return torch.log_softmax(llm.teacher_force(ids, blocks).float(), -1)[prefix - 1:]
 
 
 def cmd_quality(args) -> None:
-    import loading
-
     methods = _methods(args.kv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    loaded = loading.load_model(args.model, device=device)
-    tokenizer = loaded[1]
+    model, tokenizer = loading.load_model(args.model, device=device)
     text = Path(args.text).read_text(encoding="utf-8", errors="replace")
     ids = tokenizer.encode(text)[: args.ctx + 1]
     if len(ids) < args.ctx + 1:
@@ -141,15 +76,12 @@ def cmd_quality(args) -> None:
     bar = tqdm(methods, desc="methods", file=sys.stderr)
     for method in bar:
         bar.set_postfix_str(method)
-        llm = LLM(loaded=loaded, kv=method, device=device, kv_budget_gb=args.kv_budget_gb, max_batch=1,
-                  sink=args.sink, window=args.window, kv_plan=args.kv_plan, kernels=args.kernels)
+        llm = LLM(model, tokenizer, kv=method, device=device, kv_budget_gb=args.kv_budget_gb, max_batch=1,
+                  sink=args.sink, window=args.window, kv_plan=args.kv_plan, backend=args.backend)
         t0 = time.perf_counter()
         logp = teacher_forced_logprobs(llm, ids, args.prefix, args.pseudo_decode)
         seconds = time.perf_counter() - t0
-        slot = llm.cache.admit(len(ids))  # measure bits on a full-length sequence's tier layout
-        llm.cache.lengths[slot] = len(ids)
-        stats = llm.kv_stats()
-        llm.cache.release(slot)
+        stats = llm.cache.kv_stats(lengths=[len(ids)])  # the tiers of a full-length sequence
         nll = -logp.gather(1, targets[:, None]).squeeze(1)
         if reference is None:
             if method != "fp16":
@@ -186,10 +118,10 @@ def run_engine(llm: LLM, batch: int, prompt: int, new: int, seed: int = 0) -> di
     """One end-to-end run of `batch` random prompts; returns timings and the KV bytes held
     at the last decode step."""
     g = torch.Generator().manual_seed(seed)
-    vocab = llm.config.vocab_size
+    vocab = llm.model.config.vocab_size
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     reqs = [llm.add_request(torch.randint(0, vocab, (prompt,), generator=g).tolist(), params) for _ in range(batch)]
-    llm.timing = {k: 0 for k in llm.timing}
+    llm.reset_timing()
     kv = None
     t0 = time.perf_counter()
     while llm.has_work():
@@ -227,26 +159,24 @@ def hf_run(cfg: dict, batch: int, prompt: int, new: int, dtype: torch.dtype) -> 
     return dict(e2e_s=e2e, e2e_tok_s=batch * new / e2e)
 
 
-def weight_bytes_per_step(model: Transformer) -> int:
-    """Bytes of weights a decode step reads: everything but the embedding table (one row a token)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.config.tie_embeddings:
-        total -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
-    return total
+def cache_shape(model: Transformer, kv: str, args) -> CacheShape:
+    """The tiers and page bytes a method gives this model under the command's sink and window."""
+    mc = model.config
+    dtype = next(model.parameters()).dtype
+    return CacheShape.of(quant.get_format(kv), mc.n_layers, mc.n_kv_heads, mc.head_dim, args.sink, args.window, dtype)
 
 
 def speed_llm(model: Transformer, kv: str, batch: int, tokens: int, args) -> LLM:
     """An LLM whose page pool holds exactly `batch` sequences of `tokens` tokens."""
-    sink = 0 if kv.endswith("nosink") else args.sink
-    return LLM(loaded=(model, None), kv=kv, device="cuda", max_batch=batch, sink=args.sink, window=args.window,
-               kernels=args.kernels, num_pages=batch * pages_for(tokens, sink, args.window))
+    return LLM(model, kv=kv, device="cuda", max_batch=batch, sink=args.sink, window=args.window, backend=args.backend,
+               num_pages=batch * cache_shape(model, kv, args).pages_needed(tokens))
 
 
 def cmd_speed(args) -> None:
     cfg = hf_config(args.config)
     dtype = getattr(torch, args.dtype)
     methods, batches = _methods(args.kv), _ints(args.batch)
-    from kernels.bench import copy_bandwidth  # GPU only: it imports triton.testing
+    from benchmarks.kernels import copy_bandwidth  # GPU only: it imports triton.testing
 
     bw = copy_bandwidth("cuda")
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {bw / 1e12:.2f} TB/s", file=sys.stderr)
@@ -255,7 +185,7 @@ def cmd_speed(args) -> None:
     if args.vs_hf:
         for b in tqdm(batches, desc="HF transformers", file=sys.stderr):
             hf[b] = hf_run(cfg, b, args.prompt, args.new, dtype)
-    model = dummy_model(cfg, "cuda", dtype, args.prompt + args.new)
+    model = random_model(cfg, "cuda", dtype, args.prompt + args.new)
     wbytes = weight_bytes_per_step(model)
     for method in tqdm(methods, desc="methods", file=sys.stderr):
         for b in batches:
@@ -267,11 +197,11 @@ def cmd_speed(args) -> None:
             attn = {}
             if args.profile and b == batches[0]:
                 # the engine's attention per layer, beside the kernel bench's cell of the same shape
-                from kernels.bench import bench_attention
+                from benchmarks.kernels import bench_attention
 
                 cell = bench_attention(method, b, args.prompt, q_heads=model.config.n_heads,
                                        kv_heads=model.config.n_kv_heads, head_dim=model.config.head_dim,
-                                       sink=0 if method.endswith("nosink") else args.sink, window=args.window)[0]
+                                       sink=args.sink, window=args.window)[0]
                 attn = dict(attn_layer_us=profile_decode(llm, b, args.prompt, args.profile),
                             kernel_bench_us=cell["ms"] * 1e3 if cell["ms"] else None)
                 if attn["kernel_bench_us"]:
@@ -313,7 +243,7 @@ def profile_decode(llm: LLM, batch: int, prompt: int, steps: int) -> float:
 
     g = torch.Generator().manual_seed(2)
     for _ in range(batch):
-        llm.add_request(torch.randint(0, llm.config.vocab_size, (prompt,), generator=g).tolist(),
+        llm.add_request(torch.randint(0, llm.model.config.vocab_size, (prompt,), generator=g).tolist(),
                         SamplingParams(max_new_tokens=steps + 2, ignore_eos=True))
     llm.step()  # prefills and the first decode step, outside the profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -325,7 +255,7 @@ def profile_decode(llm: LLM, batch: int, prompt: int, steps: int) -> float:
     events = prof.key_averages()
     print(events.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), file=sys.stderr)
     attn_us = sum(getattr(e, "device_time_total", 0) for e in events if any(k in e.key for k in ATTENTION_KERNELS))
-    return attn_us / (steps * llm.config.n_layers)
+    return attn_us / (steps * llm.model.config.n_layers)
 
 
 def cmd_capacity(args) -> None:
@@ -334,30 +264,26 @@ def cmd_capacity(args) -> None:
     hundreds of sequences would take minutes and does not change the decode step."""
     cfg = hf_config(args.config)
     dtype = getattr(torch, args.dtype)
-    from kernels.bench import copy_bandwidth  # GPU only: it imports triton.testing
+    from benchmarks.kernels import copy_bandwidth  # GPU only: it imports triton.testing
 
     bw = copy_bandwidth("cuda")
-    model = dummy_model(cfg, "cuda", dtype, args.ctx + args.new)
+    model = random_model(cfg, "cuda", dtype, args.ctx + args.new)
     wbytes = weight_bytes_per_step(model)
     budget = int(args.budget_gb * 2**30)
-    mc = model.config
+    tokens = args.ctx + args.new
     rows = []
     for method in tqdm(_methods(args.kv), desc="methods", file=sys.stderr):
-        fmt = quant.get_format(method)
-        page_bytes = sum(fmt.for_layer(i).page_bytes(mc.n_kv_heads, mc.head_dim) for i in range(mc.n_layers))
-        sink = 0 if method.endswith("nosink") else args.sink
-        per_seq = slot_bytes(mc.n_layers, mc.n_kv_heads, mc.head_dim, sink, args.window, dtype) + pages_for(args.ctx + args.new, sink, args.window) * page_bytes
-        n = (budget - slot_bytes(mc.n_layers, mc.n_kv_heads, mc.head_dim, sink, args.window, dtype)) // per_seq  # minus the scratch slot
+        shape = cache_shape(model, method, args)
+        n = shape.sequences_in_budget(budget, tokens)
+        per_seq = shape.slot_bytes() + shape.pages_needed(tokens) * shape.page_bytes()
         row = dict(bench="capacity", config=args.config, method=method, ctx=args.ctx, budget_gb=args.budget_gb,
-                   max_seqs=int(n), bytes_per_seq=per_seq, device=torch.cuda.get_device_name())
+                   max_seqs=n, bytes_per_seq=per_seq, device=torch.cuda.get_device_name())
         if n and not args.no_decode:
             torch.cuda.empty_cache()
-            llm = LLM(loaded=(model, None), kv=method, device="cuda", max_batch=int(n), sink=args.sink,
-                      window=args.window, kernels=args.kernels,
-                      num_pages=int(n) * pages_for(args.ctx + args.new, sink, args.window))
-            step = synthetic_decode(llm, int(n), args.ctx, args.new)
-            kv_bytes = n * per_seq
-            row.update(decode_tok_s=n / step, step_ms=step * 1e3, floor_ms=(wbytes + kv_bytes) / bw * 1e3)
+            llm = LLM(model, kv=method, device="cuda", max_batch=n, sink=args.sink, window=args.window,
+                      backend=args.backend, num_pages=n * shape.pages_needed(tokens))
+            step = synthetic_decode(llm, n, args.ctx, args.new)
+            row.update(decode_tok_s=n / step, step_ms=step * 1e3, floor_ms=(wbytes + n * per_seq) / bw * 1e3)
             del llm
         rows.append(row)
     fp16 = next((r for r in rows if r["method"] == "fp16"), None)
@@ -375,22 +301,10 @@ def cmd_capacity(args) -> None:
 def synthetic_decode(llm: LLM, batch: int, ctx: int, steps: int) -> float:
     """Median decode step time of `batch` sequences whose first ctx tokens are random KV, run by
     the engine's own loop (a step's wall time is the GPU's once the pipeline is full)."""
-    cache = llm.cache
+    llm.cache.randomize()
     params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
-    with torch.no_grad():
-        for layer in range(cache.n_layers):
-            cache.dense_k[layer].normal_()
-            cache.dense_v[layer].normal_()
-            for pages in (cache.k_pages[layer], cache.v_pages[layer]):
-                for name, t in pages.items():
-                    _fill_random(t, name)
-        llm.last_tokens.random_(0, llm.config.vocab_size)
-    for i in range(batch):
-        # A request as if its ctx-token prompt had been prefilled and its first token read.
-        req = Request(i, [0] * ctx, params, output_ids=[0], slot=cache.admit(ctx + steps), n_sampled=1)
-        cache.lengths[req.slot] = ctx
-        cache.seq_lens[req.slot] = ctx
-        llm.running.append(req)
+    for _ in range(batch):
+        llm.add_synthetic(ctx, params)
     times = []
     while llm.has_work():
         t0 = time.perf_counter()
@@ -398,15 +312,6 @@ def synthetic_decode(llm: LLM, batch: int, ctx: int, steps: int) -> float:
         times.append(time.perf_counter() - t0)
     times = times[2:-1]  # graph capture; the last step only reads tokens
     return sorted(times)[len(times) // 2]
-
-
-def _fill_random(t: torch.Tensor, name: str) -> None:
-    if t.dtype.is_floating_point:
-        t.uniform_(0.01, 0.1)  # scales and zeros: small positive numbers
-    elif name == "ids":
-        t.copy_(torch.arange(t.shape[-1], device=t.device).expand_as(t))  # distinct boosted channels
-    else:
-        t.random_(0, 2**7)
 
 
 def _plot(rows, x, y, path, title) -> None:
@@ -449,7 +354,7 @@ def _plot_bars(rows, path, title) -> None:
 def cmd_kernels(args) -> None:
     """The decode-attention kernels alone on the attention shape of Llama-3-8B (default): time,
     bytes, bandwidth against the copy ceiling, speedups; then the encode cost of one flush."""
-    from kernels import bench as kbench
+    from benchmarks import kernels as kbench
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     rows = kbench.kernel_table(kvs=_methods(args.kv), batches=_ints(args.batch), contexts=_ints(args.ctx),
@@ -510,9 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--kv", default="fp16,kivi-k2v2,kitty", help="comma-separated KV methods (fp16 first)")
-    common.add_argument("--sink", type=int, default=32, help="sink tokens (default 32)")
-    common.add_argument("--window", type=int, default=128, help="recent window R (default 128)")
-    common.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto")
+    common.add_argument("--sink", type=int, default=EngineConfig.sink, help=f"sink tokens (default {EngineConfig.sink})")
+    common.add_argument("--window", type=int, default=EngineConfig.window,
+                        help=f"recent window R (default {EngineConfig.window})")
+    common.add_argument("--backend", choices=BACKENDS, default=EngineConfig.backend,
+                        help="attention/encode kernels: auto = Triton on CUDA, the torch reference elsewhere")
     common.add_argument("--json", default=None, help="append results as JSON lines to this file")
 
     q = sub.add_parser("quality", parents=[common], help="perplexity / KL / top-1 vs fp16 through the real cache path",
@@ -534,7 +441,6 @@ def build_parser() -> argparse.ArgumentParser:
                            ("capacity", "most sequences that fit a memory budget, and decode speed there")]:
         s = sub.add_parser(name, parents=[common], help=helptext)
         s.add_argument("--config", default="llama3-8b", help=f"{', '.join(CONFIGS)} or a config.json path")
-        s.add_argument("--dummy", action="store_true", default=True, help="random weights of the real shape (always on)")
         s.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
         s.add_argument("--new", type=int, default=128, help="new tokens per sequence (default 128)")
         s.add_argument("--plot", default=None, help="write a PNG plot here")
@@ -575,7 +481,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: bench.py {args.command} needs a CUDA GPU")
     commands = {"quality": cmd_quality, "speed": cmd_speed, "capacity": cmd_capacity, "kernels": cmd_kernels,
                 "matmul": cmd_matmul}
-    commands[args.command](args)
+    try:
+        commands[args.command](args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
 
 
 if __name__ == "__main__":

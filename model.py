@@ -232,20 +232,10 @@ class Attention(nn.Module):
         else:
             q, k = qkv[:, :H], qkv[:, H:H + Hkv]
         if cache is None:
-            o = causal_attention(q, k, v, self.sliding_window)
+            o = kernels.causal_attention(q, k, v, self.sliding_window)
         else:
             o = cache.attend(self.layer_idx, q, k, v)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """Causal SDPA of T queries over the same T keys, with GQA and an optional sliding window."""
-    T = q.shape[-2]
-    if window is None or window >= T:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
-    i = torch.arange(T, device=q.device)
-    allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
 
 
 class MLP(nn.Module):

@@ -1,10 +1,11 @@
 """kernels: tiered decode attention and page encoding, in Triton and as a torch reference.
 
-    kernels.decode_attention(q, fmt, k_pages, v_pages, page_table, n_pages,
-                             sink_k, sink_v, n_sink, recent_k, recent_v, n_recent, scale,
-                             slots=None, window=None, return_lse=False, backend=None)
+    kernels.decode_attention(q, fmt, kernels.Tiers(sink_k, sink_v, n_sink, k_pages, v_pages,
+                             page_table, n_pages, recent_k, recent_v, n_recent, slots), scale,
+                             window=None, return_lse=False, backend=None)
         -> o, or (o, lse) with return_lse                 # arguments: kernels/reference.py
     kernels.encode_pages(codec, x, pool_fields, page_ids, backend=None)   # x [N, H, T, D] -> pages, in place
+    kernels.causal_attention(q, k, v, window=None, with_lse=False)    # among a forward's new tokens
     kernels.merge_partials([(o, lse), ...])              # log-sum-exp merge of partial attentions
     kernels.rms_norm(x, weight, eps), kernels.add_rms_norm(x, h, weight, eps) -> (x + h, its norm),
     kernels.apply_rope(x, cos, sin), kernels.silu_mul(gate, up)
@@ -19,9 +20,9 @@ interpreted is fixed when its module is imported, so the Triton modules are impo
 and, for a CPU call, with TRITON_INTERPRET=1 set first.
 
 Both backends support every quant/ format and every option above (Triton needs a power-of-2
-head dim). Files: reference.py (torch oracle, off-GPU path), layout.py (how the kernels address
-every format's fields), attention.py, quantize.py, elementwise.py, gemv.py (Triton), matmul.py (the
-per-shape choice of matmul kernel), bench.py (GPU timing hooks for `bench.py kernels`).
+head dim); each codec describes its page fields itself (codec.kernel_layout, quant/layout.py).
+Files: reference.py (torch oracle, off-GPU path), attention.py, quantize.py, elementwise.py,
+gemv.py (Triton), matmul.py (the per-shape choice of matmul kernel).
 """
 
 from __future__ import annotations
@@ -69,17 +70,12 @@ def _implementation(triton_module: str, device: torch.device, backend: str | Non
     return _triton_module(triton_module, device)
 
 
-def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[str, Tensor],
-                     page_table: Tensor, n_pages: Tensor,
-                     sink_k: Tensor, sink_v: Tensor, n_sink: Tensor,
-                     recent_k: Tensor, recent_v: Tensor, n_recent: Tensor,
-                     scale: float, *, slots: Tensor | None = None, window: int | None = None,
+def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int | None = None,
                      return_lse: bool = False, backend: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of q [B, Hq, D] (or [B, Hq, T, D]) over the sink, page and recent tiers of each row.
-    slots / window / return_lse: see reference.decode_attention."""
-    args = (q, fmt, k_pages, v_pages, page_table, n_pages, sink_k, sink_v, n_sink, recent_k, recent_v, n_recent, scale)
-    opts = dict(slots=slots, window=window, return_lse=return_lse)
-    return _implementation("attention", q.device, backend).decode_attention(*args, **opts)
+    window / return_lse: see reference.decode_attention."""
+    implementation = _implementation("attention", q.device, backend)
+    return implementation.decode_attention(q, fmt, tiers, scale, window=window, return_lse=return_lse)
 
 
 def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor,
@@ -126,7 +122,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _triton_module("matmul", x.device).linear(x, weight, bias)
 
 
+Tiers = reference.Tiers
+causal_attention = reference.causal_attention
 merge_partials = reference.merge_partials
 
-__all__ = ["BACKENDS", "add_rms_norm", "apply_rope", "decode_attention", "encode_pages", "linear", "merge_partials", "pick_backend",
+__all__ = ["BACKENDS", "Tiers", "add_rms_norm", "apply_rope", "causal_attention", "decode_attention", "encode_pages", "linear", "merge_partials", "pick_backend",
            "reference", "rms_norm", "silu_mul", "store_token"]

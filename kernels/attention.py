@@ -31,7 +31,7 @@ with qf and w the fp16-rounded operands, so the subtraction cancels exactly what
 added. NF4 levels come from byte-permute lookups in a split fp16 table (_nf4_lookup_asm).
 
 Scales never touch the tile either: every format decodes as x = (level * scale + zero) * mult
-with scale/zero along one axis (channel or token) and mult along the other (kernels/layout.py).
+with scale/zero along one axis (channel or token) and mult along the other (quant/layout.py).
 Channel factors fold into q (keys) or into the step's output (values); token factors scale the
 logits (keys) or the softmax weights (values). Kitty's boosted channels add one more small
 product per step: their high-bit plane against q gathered at the boosted ids (x 4 x scale).
@@ -55,9 +55,10 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import constexpr_function
 
-from quant import PAGE_TOKENS
+from quant import NF4_LEVELS, PAGE_TOKENS
+from quant.layout import Layout
 
-from .layout import Layout, layout, nf4_levels
+from .reference import Tiers
 
 LOG2E = 1.4426950408889634
 
@@ -97,7 +98,7 @@ def _nf4_lookup_asm(slot: int) -> str:
     byte-permute lookups: prmt indexes 8 bytes with 3 bits, so the low and high bytes of the 16
     fp16 levels are four 8-entry tables (codes 0-7 and 8-15), and bit 3 of each code picks between
     the two lookups (a byte mask made by prmt's sign-replicate mode)."""
-    bits = [int(b) & 0xFFFF for b in nf4_levels(torch.device("cpu")).half().view(torch.int16).tolist()]
+    bits = [int(b) & 0xFFFF for b in NF4_LEVELS.half().view(torch.int16).tolist()]
     lo, hi = [b & 0xFF for b in bits], [b >> 8 for b in bits]
 
     def word(table, first):  # bytes first..first+3 of a table, little-endian
@@ -158,15 +159,15 @@ def _token_factor(PTR, page, h, t, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, S
 @triton.jit
 def _page_token_factors(PTR, page, h, USED: tl.constexpr, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr,
                         S_TOK: tl.constexpr, HDIV: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
-                        PAGE_T: tl.constexpr):
+                        PAGE_TOKENS: tl.constexpr):
     """A page's per-token factor (scale, zero or multiplier) as a float32 [steps, STEP] tile, row i
     for step i of _pages' step loop (i = block * slots + slot), loaded at the page's start in one
     go (zeros, never read, unless USED). Loaded at its own step, a factor held that step up: it
     reaches the logits' layout through shared memory, and the store waited on the load (ncu,
     kitty batch 16 / 32k)."""
-    i = tl.arange(0, PAGE_T // STEP)
-    t = (i % (PAGE_T // ROWS) * ROWS + i // (PAGE_T // ROWS) * STEP)[:, None] + tl.arange(0, STEP)[None, :]
-    factors = tl.zeros([PAGE_T // STEP, STEP], tl.float32)
+    i = tl.arange(0, PAGE_TOKENS // STEP)
+    t = (i % (PAGE_TOKENS // ROWS) * ROWS + i // (PAGE_TOKENS // ROWS) * STEP)[:, None] + tl.arange(0, STEP)[None, :]
+    factors = tl.zeros([PAGE_TOKENS // STEP, STEP], tl.float32)
     if USED:
         factors = _token_factor(PTR, page, h, t, S_PAGE, S_HEAD, S_TOK, HDIV)
     return factors
@@ -273,7 +274,7 @@ def _dense_tier(q, m_i, l_i, acc, k_base, v_base, s_t, n, first, q_pos, window, 
 def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d, q_pos, window,
            pos0, qk_scale, LEVELS,
            K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, V_CODES, V_SCALE, V_ZERO, V_MULT,
-           dt: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_T: tl.constexpr,
+           dt: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TOKENS: tl.constexpr,
            STEP: tl.constexpr, ROWS: tl.constexpr, NB_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
            ASM: tl.constexpr, K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
            K_S_HEAD: tl.constexpr, K_S_TOK: tl.constexpr, K_HDIV: tl.constexpr, K_GROUP: tl.constexpr,
@@ -349,19 +350,19 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
         K_TOKEN_SCALED: tl.constexpr = K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16)
         V_TOKEN_SCALED: tl.constexpr = V_PER_TOKEN and (V_GROUP >= D) and (V_BITS != 16)
         k_scales = _page_token_factors(K_SCALE, page, h, K_TOKEN_SCALED, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV,
-                                       ROWS, STEP, PAGE_T)
+                                       ROWS, STEP, PAGE_TOKENS)
         k_zeros = _page_token_factors(K_ZERO, page, h, K_TOKEN_SCALED and K_HAS_ZERO, K_S_PAGE, K_S_HEAD,
-                                      K_S_TOK, K_HDIV, ROWS, STEP, PAGE_T)
-        k_mults = _page_token_factors(K_MULT, page, h, K_MULT_KIND == 1, H * PAGE_T, PAGE_T, 1, 1, ROWS, STEP,
-                                      PAGE_T)
+                                      K_S_TOK, K_HDIV, ROWS, STEP, PAGE_TOKENS)
+        k_mults = _page_token_factors(K_MULT, page, h, K_MULT_KIND == 1, H * PAGE_TOKENS, PAGE_TOKENS, 1, 1, ROWS, STEP,
+                                      PAGE_TOKENS)
         v_scales = _page_token_factors(V_SCALE, page, h, V_TOKEN_SCALED, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV,
-                                       ROWS, STEP, PAGE_T)
+                                       ROWS, STEP, PAGE_TOKENS)
         v_zeros = _page_token_factors(V_ZERO, page, h, V_PER_TOKEN and V_HAS_ZERO and (V_BITS != 16), V_S_PAGE,
-                                      V_S_HEAD, V_S_TOK, V_HDIV, ROWS, STEP, PAGE_T)
-        v_mults = _page_token_factors(V_MULT, page, h, V_MULT_KIND == 1, H * PAGE_T, PAGE_T, 1, 1, ROWS, STEP,
-                                      PAGE_T)
+                                      V_S_HEAD, V_S_TOK, V_HDIV, ROWS, STEP, PAGE_TOKENS)
+        v_mults = _page_token_factors(V_MULT, page, h, V_MULT_KIND == 1, H * PAGE_TOKENS, PAGE_TOKENS, 1, 1, ROWS, STEP,
+                                      PAGE_TOKENS)
         for blk in tl.static_range(ROWS // STEP):
-          for slot_i in tl.static_range(PAGE_T // ROWS):  # noqa: E111 (two loops, one step body)
+          for slot_i in tl.static_range(PAGE_TOKENS // ROWS):  # noqa: E111 (two loops, one step body)
             # (the step's first token, slot_i * ROWS + blk * STEP, is written out where a constexpr is
             # needed: a local variable would become a tensor)
             t = slot_i * ROWS + blk * STEP + rs
@@ -380,9 +381,9 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
             if K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16):
                 if k_off != 0.0:
                     s -= k_off * q_sum[None, :]
-                s *= _step_row(k_scales, blk * (PAGE_T // ROWS) + slot_i)[:, None]
+                s *= _step_row(k_scales, blk * (PAGE_TOKENS // ROWS) + slot_i)[:, None]
                 if K_HAS_ZERO:
-                    k_zero = _step_row(k_zeros, blk * (PAGE_T // ROWS) + slot_i)
+                    k_zero = _step_row(k_zeros, blk * (PAGE_TOKENS // ROWS) + slot_i)
                     s += k_zero[:, None] * q_sum[None, :]
             elif (not K_PER_TOKEN) and (K_BITS != 16):  # one bias per query row: the zero term minus the offset term
                 s += (q_zero - k_off * q_sum)[None, :]
@@ -391,9 +392,9 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
                            False, ASM, hi_raw, (K_ROWS == STEP) or (K_ROWS == ROWS))
                 s += tl.dot(hi.to(dt), tl.trans(q_hi)) - _tile_offset(2, K_ROWS, STEP, slot_i * ROWS + blk * STEP, False) * q_hi_sum[None, :]
             if K_MULT_KIND == 1:
-                s *= _step_row(k_mults, blk * (PAGE_T // ROWS) + slot_i)[:, None]
+                s *= _step_row(k_mults, blk * (PAGE_TOKENS // ROWS) + slot_i)[:, None]
             if HAS_WINDOW:
-                s = tl.where(q_pos[None, :] - (pos0 + p * PAGE_T + t)[:, None] < window, s, float("-inf"))
+                s = tl.where(q_pos[None, :] - (pos0 + p * PAGE_TOKENS + t)[:, None] < window, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
             if tl.max(m_new - m_i, 0) > LAZY_MAX:  # raise the max and rescale (rare after the first pages)
                 alpha = tl.exp2(m_i - m_new)
@@ -418,20 +419,20 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
                 ww = w.to(dt)
             else:
                 if V_PER_TOKEN and (V_BITS != 16):
-                    ww = (w * _step_row(v_scales, blk * (PAGE_T // ROWS) + slot_i)[:, None]).to(dt)
+                    ww = (w * _step_row(v_scales, blk * (PAGE_TOKENS // ROWS) + slot_i)[:, None]).to(dt)
                 elif V_MULT_KIND == 1:
-                    ww = (w * _step_row(v_mults, blk * (PAGE_T // ROWS) + slot_i)[:, None]).to(dt)
+                    ww = (w * _step_row(v_mults, blk * (PAGE_TOKENS // ROWS) + slot_i)[:, None]).to(dt)
                 else:
                     ww = w.to(dt)
             if V_APART:  # per-channel factors: this step's product is scaled before it joins acc
                 off_w = v_off * tl.sum(ww.to(tl.float32), 0)
                 if V_PER_TOKEN and V_HAS_ZERO:
-                    off_w -= tl.sum(w * _step_row(v_zeros, blk * (PAGE_T // ROWS) + slot_i)[:, None], 0)
+                    off_w -= tl.sum(w * _step_row(v_zeros, blk * (PAGE_TOKENS // ROWS) + slot_i)[:, None], 0)
                 pv = v_chan[:, None] * (tl.dot(tl.trans(v.to(dt)), ww) - off_w[None, :])
                 if (not V_PER_TOKEN) and V_HAS_ZERO:
                     w_sum = tl.sum(w, 0)
                     if V_MULT_KIND == 1:
-                        w_sum = tl.sum(w * _step_row(v_mults, blk * (PAGE_T // ROWS) + slot_i)[:, None], 0)
+                        w_sum = tl.sum(w * _step_row(v_mults, blk * (PAGE_TOKENS // ROWS) + slot_i)[:, None], 0)
                     pv += v_zero_chan[:, None] * w_sum[None, :]
                 acc += pv
             else:
@@ -440,7 +441,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
                     if v_off != 0.0:
                         corr_tile += v_off * ww.to(tl.float32)
                     if V_PER_TOKEN and V_HAS_ZERO and (V_BITS != 16) and (V_GROUP == D):
-                        corr_tile -= w * _step_row(v_zeros, blk * (PAGE_T // ROWS) + slot_i)[:, None]
+                        corr_tile -= w * _step_row(v_zeros, blk * (PAGE_TOKENS // ROWS) + slot_i)[:, None]
     return m_i, tl.sum(l_tile, 0), acc, tl.sum(corr_tile, 0)
 
 
@@ -465,7 +466,7 @@ def _split_kernel(
     V_CODES, V_SCALE, V_ZERO, V_MULT, V_HIGH, V_IDS,
     qk_scale, num_splits, M, n_queries, q_pos_offset, window, s_pt_b, s_pt_p,
     s_sink_b, s_sink_h, s_sink_t, s_rec_b, s_rec_h, s_rec_t,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_T: tl.constexpr, STEP: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TOKENS: tl.constexpr, STEP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, DENSE_STEP: tl.constexpr, TIERS: tl.constexpr, ROTATED: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, ASM: tl.constexpr, ONE_PROGRAM: tl.constexpr, RETURN_LSE: tl.constexpr,
     K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
@@ -495,9 +496,9 @@ def _split_kernel(
     n_sink = tl.load(NSINK + b).to(tl.int32)
     n_pg = tl.load(NPAGES + b).to(tl.int32)
     n_rec = tl.load(NREC + b).to(tl.int32)
-    # positions: sink token i -> i, page p token t -> n_sink + PAGE_T p + t, recent token i -> after the pages;
+    # positions: sink token i -> i, page p token t -> n_sink + PAGE_TOKENS p + t, recent token i -> after the pages;
     # query row n (head-major, query-minor) sits at q_pos; with a window it sees pos only while q_pos - pos < window
-    q_pos = n_sink + n_pg * PAGE_T + n_rec + q_pos_offset + n_rows % n_queries
+    q_pos = n_sink + n_pg * PAGE_TOKENS + n_rec + q_pos_offset + n_rows % n_queries
     per, n_live = _page_split(n_pg, num_splits, MIN_PAGES, SHORT_PAGES)
     if ONE_PROGRAM or ((split >= 0) and (split < n_live)):
         # quantized pages [p0, p1) of this row, q in the pages' (maybe rotated) domain
@@ -509,12 +510,12 @@ def _split_kernel(
             p0 = split * per
             p1 = tl.minimum(p0 + per, n_pg)
         if HAS_WINDOW:  # skip the pages older than every query's window
-            lo = tl.min(tl.where(n_ok, q_pos, 2**30), 0) - window - n_sink - (PAGE_T - 2)
-            p0 = tl.maximum(p0, tl.where(lo > 0, (lo + PAGE_T - 1) // PAGE_T, 0))
+            lo = tl.min(tl.where(n_ok, q_pos, 2**30), 0) - window - n_sink - (PAGE_TOKENS - 2)
+            p0 = tl.maximum(p0, tl.where(lo > 0, (lo + PAGE_TOKENS - 1) // PAGE_TOKENS, 0))
         m_i, l_i, acc, corr = _pages(
             q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, bh * M, n_rows, n_ok, h, d, q_pos, window,
             n_sink, qk_scale, LEVELS, K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, V_CODES, V_SCALE, V_ZERO,
-            V_MULT, dt, H, D, BLOCK_N, PAGE_T, STEP, BLOCK_ROWS, NB_PAD, HAS_WINDOW, ASM,
+            V_MULT, dt, H, D, BLOCK_N, PAGE_TOKENS, STEP, BLOCK_ROWS, NB_PAD, HAS_WINDOW, ASM,
             K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO, K_MULT_KIND,
             K_NF4, K_N_HIGH, V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
             V_HAS_ZERO, V_MULT_KIND, V_NF4)
@@ -536,7 +537,7 @@ def _split_kernel(
             n_chunk = n_rec if ONE_PROGRAM else tl.minimum(n_rec - r0, chunk)
             m_i, l_i, acc = _dense_tier(q, m_i, l_i, acc, REC_K + slot * s_rec_b + h * s_rec_h + r0 * s_rec_t,
                                         REC_V + slot * s_rec_b + h * s_rec_h + r0 * s_rec_t, s_rec_t, n_chunk,
-                                        n_sink + n_pg * PAGE_T + r0, q_pos, window, d, qk_scale, dt, HAS_WINDOW,
+                                        n_sink + n_pg * PAGE_TOKENS + r0, q_pos, window, d, qk_scale, dt, HAS_WINDOW,
                                         DENSE_STEP)
     # an empty split (no pages in its window, an empty tier) writes o = 0, lse = -inf: it drops out of
     # the merge; a split past the row's last page writes nothing
@@ -631,7 +632,13 @@ def _unrotation(fmt, head_dim: int, device: torch.device) -> Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _layouts(fmt, heads: int, head_dim: int) -> tuple[Layout, Layout]:
-    return layout(fmt.k, heads, head_dim, PAGE_TOKENS), layout(fmt.v, heads, head_dim, PAGE_TOKENS)
+    return fmt.k.kernel_layout(heads, head_dim, PAGE_TOKENS), fmt.v.kernel_layout(heads, head_dim, PAGE_TOKENS)
+
+
+@functools.lru_cache(maxsize=None)
+def nf4_levels(device: torch.device) -> Tensor:
+    """The NF4 table as a float32 tensor on `device` (the kernels look levels up in it)."""
+    return NF4_LEVELS.to(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -641,17 +648,15 @@ def _sm_count(device: torch.device) -> int:
 
 # Programs per SM the split rule aims at: each program walks its pages one after the other, so
 # the number in flight is what hides memory latency. One warp per program (two for KVarN), no
-# software pipelining: the fastest launch of an H100 sweep for the 2-bit and 4-bit formats
-# (num_stages 2-3 and 2-4 warps were slower; FP16 pages are within ~5% either way). With a [D, N]
-# accumulator and a page's codes live a warp needs ~255 registers, so an SM keeps 8 programs
-# resident and queues the rest.
+# software pipelining: the fastest launch of a sweep of warps and stages for the 2-bit and 4-bit
+# formats (README, "Decode attention"). With a [D, N] accumulator and a page's codes live a warp
+# needs ~255 registers, so an SM keeps 8 programs resident and queues the rest.
 PROGRAMS_PER_SM = 32
 MIN_PAGES_PER_SPLIT = 2
 # Short rows (up to 4k tokens) split one page per program, and the FP16 recent tier (up to 255
-# tokens) is split over 4 programs, so that no program walks more than ~4 dependent steps: at
-# batch 1 and 512 tokens the attention took 18.6 us with a 2-page minimum and one recent-tier
-# program, 8.5 us like this (H100, bench.py kernels --variants); at 32k the 2-page minimum is
-# 6-16% faster, and 4 recent-tier programs cost nothing at batch 16.
+# tokens) is split over 4 programs, so that no program walks more than ~4 dependent steps: a
+# short context is latency-bound, and this halved batch 1 at 512 tokens (README); long rows keep
+# at least 2 pages a split, which is faster at 32k (`bench.py kernels --variants` measures both).
 SHORT_ROW_PAGES = 32
 RECENT_PARTS = 4
 NUM_WARPS = 1
@@ -692,19 +697,16 @@ def _step(kl: Layout, vl: Layout) -> int:
     return min([32] + rows)
 
 
-def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[str, Tensor],
-                     page_table: Tensor, n_pages: Tensor,
-                     sink_k: Tensor, sink_v: Tensor, n_sink: Tensor,
-                     recent_k: Tensor, recent_v: Tensor, n_recent: Tensor,
-                     scale: float, *, slots: Tensor | None = None, window: int | None = None,
+def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int | None = None,
                      return_lse: bool = False, out: Tensor | None = None,
                      launch: Launch = Launch()) -> Tensor | tuple[Tensor, Tensor]:
     """Triton version of kernels.reference.decode_attention (same arguments and results).
 
-    q [B, Hq, D] or [B, Hq, T, D] (every query sees every stored token); slots, window,
+    q [B, Hq, D] or [B, Hq, T, D] (every query sees every stored token); tiers, window and
     return_lse as in the reference. out: optional result buffer shaped like q (contiguous).
     launch: tuning knobs (Launch); the defaults fill the GPU.
     """
+    sink_k, sink_v, n_sink, k_pages, v_pages, page_table, n_pages, recent_k, recent_v, n_recent, slots = tiers
     single = q.dim() == 3
     q4 = (q[:, :, None] if single else q).contiguous()
     B, Hq, Tq, D = q4.shape
@@ -760,7 +762,7 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
         s_pt_b=page_table.stride(0), s_pt_p=page_table.stride(1),
         s_sink_b=sink_k.stride(0), s_sink_h=sink_k.stride(1), s_sink_t=sink_k.stride(2),
         s_rec_b=recent_k.stride(0), s_rec_h=recent_k.stride(1), s_rec_t=recent_k.stride(2),
-        H=H, D=D, BLOCK_N=block_n, PAGE_T=PAGE_TOKENS, STEP=step, BLOCK_ROWS=_block_rows(kl, vl, step),
+        H=H, D=D, BLOCK_N=block_n, PAGE_TOKENS=PAGE_TOKENS, STEP=step, BLOCK_ROWS=_block_rows(kl, vl, step),
         MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, DENSE_STEP=32, TIERS=tiers,
         ROTATED=fmt.rotated, NB_PAD=max(16, triton.next_power_of_2(kl.n_high)),
         HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None, ASM=not INTERPRETED if asm is None else asm,

@@ -4,7 +4,7 @@ One program per (tile, kv head): it loads the head's [T, D] tile in "slot-major"
 [T/rows, rows, D] with token t = slot * rows + row, which is the order of the packed code
 planes (quant/rtn.py), so packing is a shift and a sum over the slot axis. Between load and
 store the same stages as quant/'s torch codecs run, switched by the codec's constants
-(kernels/layout.py plus a few encode-only ones):
+(codec.kernel_layout: quant/layout.py, encode-only fields included):
 
     rotate (KVarN: x @ Hd)  ->  Sinkhorn balance (KVarN)  ->  per-channel or per-token-group
     range (RTN min/max, NF4 absmax over its block, Kitty: rank channels by mean |x|, 4 bits
@@ -29,8 +29,6 @@ from torch import Tensor
 
 from quant.kvarn import STD_CLAMP, hadamard
 from quant.nqkv import NF4_LEVELS
-
-from .layout import layout
 
 STD_LO = tl.constexpr(STD_CLAMP[0])
 STD_HI = tl.constexpr(STD_CLAMP[1])
@@ -242,18 +240,16 @@ def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Ten
         return
     if x.stride(-1) != 1 or D & (D - 1):
         raise ValueError(f"encode needs a unit last stride and a power-of-2 head dim, got D={D}")
-    lay = layout(codec, H, D, T)
-    kind = codec.kind
-    if kind == "kitty" and codec.score not in ("magnitude", "variance"):
-        raise ValueError(f"Kitty score {codec.score!r} has no Triton encode (magnitude, variance)")
+    lay = codec.kernel_layout(H, D, T)
+    if lay.encode_unsupported:
+        raise ValueError(lay.encode_unsupported)
     slots = -(-T // lay.rows)
     had, mids = _constants(x.device, D)
     _encode_kernel[(N, H)](
         x, page_ids, had, mids, **lay.pointers(pool_fields, ""),
         sx_n=x.stride(0), sx_h=x.stride(1), sx_t=x.stride(2),
         H=H, D=D, T=T, SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots),
-        ROWS_PAD=triton.next_power_of_2(lay.rows), ROTATE=kind == "kvarn",
-        SINKHORN=codec.iters if kind == "kvarn" else 0,
-        SCORE=int(kind == "kitty" and codec.score == "variance"),
+        ROWS_PAD=triton.next_power_of_2(lay.rows), ROTATE=lay.rotate, SINKHORN=lay.sinkhorn_iters,
+        SCORE=lay.channel_score,
         **lay.constexprs(""), num_warps=8,
     )

@@ -1,5 +1,5 @@
-"""Torch reference of the kernels: tiered decode attention, page encoding, and the model's
-per-token arithmetic (RMSNorm, residual add + RMSNorm, RoPE, SiLU gate, the store of a decode step's K and V).
+"""Torch reference of the kernels: tiered decode attention, causal attention among new tokens,
+page encoding, and the model's per-token arithmetic (RMSNorm, residual add + RMSNorm, RoPE, SiLU gate, the store of a decode step's K and V).
 
 This is the oracle the Triton kernels are tested against and the path the cache takes
 off-GPU. It favours clarity over speed but is batched and vectorised: pages are gathered
@@ -10,10 +10,31 @@ are merged with the log-sum-exp trick, exactly as the split-K kernel merges its 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from quant import PAGE_TOKENS
+
+
+class Tiers(NamedTuple):
+    """What decode attention reads for a batch, besides q: every row's stored tokens in three
+    tiers. Row b reads slot slots[b] of the page table and of the sink/recent buffers (slots None:
+    slot b). Counts are int32 [B] tensors; n_pages counts pages, the others tokens."""
+
+    sink_k: Tensor  # [slots, H, >= n_sink, D] full precision
+    sink_v: Tensor
+    n_sink: Tensor
+    k_pages: dict[str, Tensor]  # the pool's fields of the format's K codec, [num_pages, *field shape]
+    v_pages: dict[str, Tensor]
+    page_table: Tensor  # int32 [slots, max pages]: pool page ids of each slot's pages, in order
+    n_pages: Tensor
+    recent_k: Tensor  # [slots, H, >= n_recent, D] full precision, the tokens after the pages
+    recent_v: Tensor
+    n_recent: Tensor
+    slots: Tensor | None = None
 
 
 def partial_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -58,25 +79,21 @@ def gather_pages(codec, pages: dict[str, Tensor], page_table: Tensor, n_pages: T
     return x.permute(0, 2, 1, 3, 4).reshape(b, h, p * t, d)
 
 
-def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[str, Tensor],
-                     page_table: Tensor, n_pages: Tensor,
-                     sink_k: Tensor, sink_v: Tensor, n_sink: Tensor,
-                     recent_k: Tensor, recent_v: Tensor, n_recent: Tensor,
-                     scale: float, *, slots: Tensor | None = None, window: int | None = None,
+def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int | None = None,
                      return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention of q over the three tiers of every batch row (see the spec's signature).
+    """Attention of q over the three tiers of every batch row.
 
-    slots: batch row b reads row slots[b] of the page table and the sink/recent buffers
-    (None = row b itself). window: a sliding window (Mistral): a stored token at position p
-    is visible to a query at position qpos only while qpos - p < window. return_lse: also
-    return the log-sum-exp of each query's logits over the stored tokens, so a caller can
-    merge in attention over tokens that are not stored yet.
+    window: a sliding window (Mistral): a stored token at position p is visible to a query at
+    position qpos only while qpos - p < window. return_lse: also return the log-sum-exp of each
+    query's logits over the stored tokens, so a caller can merge in attention over tokens that
+    are not stored yet.
 
     q is [B, Hq, D] for one decode step, or [B, Hq, T, D] for T queries that all see every
     stored token (teacher-forced blocks). KV head h serves q heads h*G .. h*G+G-1 (GQA).
     Pages are in fmt's rotated domain when fmt.rotated: q is rotated for them and their
     partial output rotated back before the merge. Computed in float32, returned in q.dtype.
     """
+    sink_k, sink_v, n_sink, k_pages, v_pages, page_table, n_pages, recent_k, recent_v, n_recent, slots = tiers
     single = q.dim() == 3
     q4 = q[:, :, None] if single else q
     B, Hq, T, D = q4.shape
@@ -122,6 +139,29 @@ def decode_attention(q: Tensor, fmt, k_pages: dict[str, Tensor], v_pages: dict[s
         o, lse = o[:, :, 0], lse[:, :, 0]
     return (o, lse) if return_lse else o
 
+
+def causal_mask(n: int, window: int | None, device: torch.device) -> Tensor:
+    """[n, n] bool: query i sees key j when j <= i and, with a sliding window, i - j < window."""
+    i = torch.arange(n, device=device)
+    allowed = i[None, :] <= i[:, None]
+    return allowed if window is None else allowed & (i[:, None] - i[None, :] < window)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
+                     with_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Causal attention of T queries q [B, Hq, T, D] over the same T keys k, v [B, H, T, D]
+    (GQA, an optional sliding window). with_lse: computed in float32 with each row's log-sum-exp
+    of its logits, so that it can merge with attention over older tokens (merge_partials)."""
+    T = q.shape[-2]
+    if not with_lse:
+        if window is None or window >= T:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, window, q.device), enable_gqa=True)
+    G = q.shape[1] // k.shape[1]
+    kf, vf = k.float().repeat_interleave(G, dim=1), v.float().repeat_interleave(G, dim=1)
+    s = (q.float() @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~causal_mask(T, window, q.device), float("-inf"))
+    return torch.softmax(s, dim=-1) @ vf, torch.logsumexp(s, dim=-1)
 
 
 def encode_pages_reference(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor) -> None:

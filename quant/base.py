@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .layout import Layout
+
 PAGE_TOKENS = 128  # tokens per page; also the group over which K is quantized per channel
 
 FieldSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -23,8 +25,6 @@ FieldSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 class TileCodec(ABC):
     """Encodes pages of K or V. Subclasses are small frozen dataclasses of their options."""
-
-    kind: str  # which reader the kernels use for these fields
 
     @abstractmethod
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
@@ -39,6 +39,10 @@ class TileCodec(ABC):
         """fields -> float32 [..., H, T, D]. tokens is only needed where the fields do not
         determine T (3-bit keys: ceil(T/10) word rows); it defaults to PAGE_TOKENS there."""
 
+    @abstractmethod
+    def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
+        """How the kernels address this codec's page fields (layout.py), at these sizes."""
+
     def nbytes(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> int:
         """Bytes one page stores: codes, scales, ids, everything."""
         specs = self.field_specs(heads, head_dim, tokens)
@@ -49,8 +53,6 @@ class TileCodec(ABC):
 class Fp16Codec(TileCodec):
     """No quantization: the page holds x in fp16 (the baseline, same tiers as the others)."""
 
-    kind = "fp16"
-
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
         return {"x": ((heads, tokens, head_dim), torch.float16)}
 
@@ -60,18 +62,33 @@ class Fp16Codec(TileCodec):
     def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
         return fields["x"].float()
 
+    def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
+        return Layout.with_channel_scales(16, heads, head_dim, tokens, ("x", None, None, None, None, None))
+
 
 class KVFormat:
     """A named (K codec, V codec) pair: what one page of one layer stores."""
 
     rotated = False  # True where pages hold K @ Hd and V @ Hd instead of K and V (KVarN)
 
-    def __init__(self, name: str, k: TileCodec, v: TileCodec):
+    def __init__(self, name: str, k: TileCodec, v: TileCodec, sink: int | None = None):
         self.name, self.k, self.v = name, k, v
+        # Full-precision sink tokens this format keeps: None = the cache's setting; 0 for a
+        # method as published without sink tokens (e.g. KIVI).
+        self.sink = sink
 
     def for_layer(self, layer: int) -> KVFormat:
         """The format of one layer; uniform formats use the same one everywhere."""
         return self
+
+    def layer_formats(self, n_layers: int) -> list[KVFormat]:
+        """The format of every layer of an n_layers model (a per-layer format checks that it
+        was made for that many layers)."""
+        return [self.for_layer(i) for i in range(n_layers)]
+
+    def layer_windows(self, window: int, n_layers: int) -> list[int]:
+        """The recent window of every layer, given the cache's window; uniform formats use it everywhere."""
+        return [window] * n_layers
 
     def page_bytes(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> int:
         """Bytes of one page: K and V of `tokens` tokens of all `heads` kv heads."""

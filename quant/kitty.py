@@ -23,16 +23,17 @@ from torch import Tensor
 
 from .base import PAGE_TOKENS, FieldSpecs, KVFormat, TileCodec
 from .kivi import TokenRTN
+from .layout import Layout
 from .rtn import dequantize, pack, packed_shape, quantize, unpack
 
 SCORES = ("magnitude", "variance", "random")
+KERNEL_SCORES = SCORES[:2]  # the encode kernel's channel_score is the index here; it draws no random numbers
 
 
 @dataclass(frozen=True)
 class KittyKeyCodec(TileCodec):
     ratio: float
     score: str = "magnitude"
-    kind = "kitty"
 
     def __post_init__(self):
         if self.score not in SCORES:
@@ -74,6 +75,14 @@ class KittyKeyCodec(TileCodec):
         index = fields["ids"].long().unsqueeze(-2).expand_as(high)
         codes = codes.scatter(-1, index, codes.gather(-1, index) | (high << 2))
         return dequantize(codes, fields["scale"], fields["zero"], dim=-2)
+
+    def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
+        encodable = self.score in KERNEL_SCORES
+        refusal = f"Kitty score {self.score!r} has no Triton encode ({', '.join(KERNEL_SCORES)})"
+        return Layout.with_channel_scales(2, heads, head_dim, tokens, ("low", "scale", "zero", None, "high", "ids"),
+                                          n_high=self.n_boost(head_dim),
+                                          channel_score=KERNEL_SCORES.index(self.score) if encodable else 0,
+                                          encode_unsupported="" if encodable else refusal)
 
 
 def kitty_format(name: str, ratio: float, score: str = "magnitude", v_group: int | None = None) -> KVFormat:

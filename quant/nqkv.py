@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from .base import PAGE_TOKENS, FieldSpecs, KVFormat, TileCodec
-from .rtn import pack, packed_shape, unpack
+from .layout import Layout
+from .rtn import code_rows, pack, packed_shape, unpack
 
 
 def nf4_levels() -> Tensor:
@@ -54,7 +55,6 @@ def block_size(heads: int, head_dim: int, block: int) -> int:
 @dataclass(frozen=True)
 class NF4Codec(TileCodec):
     block: int = 256
-    kind = "nf4"
 
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
         (rows, _), dtype = packed_shape(tokens, head_dim, 4)
@@ -79,6 +79,14 @@ class NF4Codec(TileCodec):
         values = NF4_LEVELS.to(codes.device)[codes.long()].transpose(-3, -2).flatten(-2)  # [..., T, H*D]
         values = values.unflatten(-1, (scale.shape[-1], -1)) * scale.float().unsqueeze(-1)
         return values.flatten(-2).unflatten(-1, (heads, head_dim)).transpose(-3, -2)
+
+    def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
+        b = block_size(heads, head_dim, self.block)
+        blocks = heads * head_dim // b
+        # scale is [T, H*D/B]: head h's channels start at column h*D/B (B <= D) or share column h // (B/D)
+        hdiv, s_head, group = (b // head_dim, 1, head_dim) if b >= head_dim else (1, head_dim // b, b)
+        return Layout(4, code_rows(4, tokens), True, tokens * blocks, s_head, blocks, hdiv, group,
+                      ("codes", "scale", None, None, None, None), has_zero=False, nf4=True)
 
 
 def nqkv_format(name: str, block: int = 256) -> KVFormat:

@@ -59,16 +59,21 @@ def dequantize(codes: Tensor, scale: Tensor, zero: Tensor, dim: int) -> Tensor:
     return codes.float() * scale.float().unsqueeze(dim) + zero.float().unsqueeze(dim)
 
 
+def code_rows(bits: int, tokens: int) -> int:
+    """Rows of a packed plane of `tokens` codes: T*bits/8 byte rows, or ceil(T/10) 3-bit words."""
+    return -(-tokens // CODES_PER_WORD3) if bits == 3 else tokens * bits // 8
+
+
 def packed_shape(tokens: int, dim: int, bits: int) -> tuple[tuple[int, int], torch.dtype]:
     """(rows, dim) and dtype that pack() makes of a [tokens, dim] code plane."""
     if bits == 3:
-        return (-(-tokens // CODES_PER_WORD3), dim), torch.int32
+        return (code_rows(bits, tokens), dim), torch.int32
     if bits not in (2, 4):
         raise ValueError(f"no packing for {bits}-bit codes (2, 3 or 4)")
     n = 8 // bits
     if tokens % n:
         raise ValueError(f"{tokens} tokens do not split into {n} {bits}-bit sub-blocks")
-    return (tokens // n, dim), torch.uint8
+    return (code_rows(bits, tokens), dim), torch.uint8
 
 
 def pack(codes: Tensor, bits: int) -> Tensor:

@@ -1,9 +1,9 @@
 """Write a GGUF with random F16 weights of the shape that `bench.py speed --config C` times, so that
 llama.cpp's llama-bench / llama-batched-bench run the very same shape as nanokv.
 
-The shape comes from bench.py's own hf_config (a built-in config name or a config.json path), so
-the two cannot disagree. Speed only: one random array per tensor shape, shared by every layer.
-Needs nanokv's requirements (bench.py imports torch) and the gguf package.
+The shape comes from shapes.hf_config (a built-in config name or a config.json path), as bench.py's
+does, so the two cannot disagree. Speed only: one random array per tensor shape, shared by every layer.
+Needs nanokv's requirements (shapes.py imports torch) and the gguf package.
 
     python scripts/make_gguf.py --config llama3-8b --out .peers/models/llama3-8b-f16.gguf
 
@@ -25,7 +25,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench import hf_config  # noqa: E402  (the shapes bench.py speed times)
+from shapes import hf_config  # noqa: E402  (the shapes bench.py speed times)
 from model import rope_inv_freq  # noqa: E402
 
 # model_type in the HF config -> llama.cpp architecture (the tensor names below are the same)
@@ -135,7 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     args.dim = args.hidden
     import gguf
 
-    s = shape(hf_config(args.config), args)
+    try:
+        cfg = hf_config(args.config)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    s = shape(cfg, args)
     out = Path(args.out or ROOT / ".peers" / "models" / f"{Path(args.config).stem if args.config.endswith('.json') else args.config}-f16.gguf")
     out.parent.mkdir(parents=True, exist_ok=True)
     size = expected_size(gguf, s, out.with_name(out.name + ".head"))

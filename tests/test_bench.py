@@ -1,5 +1,6 @@
-"""bench.py on a tiny model: quality's teacher forcing against HF transformers' full forward, and
-the capacity bench's synthetic decode against the token counts it must produce."""
+"""The hooks bench.py drives, on a tiny model: quality's teacher forcing against HF transformers'
+full forward, and the capacity bench's synthetic sequences against the token counts they must
+produce."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from bench import synthetic_decode, teacher_forced_logprobs
-from engine import LLM
+from llm import LLM
 from tests.tiny_models import make_tiny_model
 
 
@@ -30,12 +31,21 @@ def test_teacher_forced_logprobs_match_a_full_forward(tmp_path, block):
 
 def test_synthetic_decode_runs_the_engine_loop_to_the_end(tmp_path):
     """Sequences that pretend to hold ctx tokens decode `steps` tokens each through the engine's
-    own loop, and then leave the cache empty."""
+    own loop, at the positions after their context, and then leave the cache empty."""
     make_tiny_model("llama", tmp_path)
     llm = LLM(str(tmp_path), device="cpu", kv_budget_gb=0.05, max_batch=3, sink=4, window=8, progress=False)
     ctx, steps = 300, 7
-    seconds = synthetic_decode(llm, 3, ctx, steps)
-    assert seconds > 0
+    stored = []
+    attend = llm.cache.attend
+
+    def watch(layer, q, k, v):  # what the first layer's attention sees at each decode step
+        if layer == 0:
+            stored.append(llm.cache.kv_stats()["layers"][0]["tokens"])
+        return attend(layer, q, k, v)
+
+    llm.cache.attend = watch
+    synthetic_decode(llm, 3, ctx, steps)
     assert llm.timing["decode_steps"] == steps - 1 and llm.timing["decode_tokens"] == 3 * (steps - 1)
+    assert stored == [3 * (ctx + i) for i in range(steps - 1)]  # the context, then one more token a step
     assert not llm.has_work()
     assert llm.cache.pool.num_free == llm.cache.pool.num_pages and llm.cache.num_free_slots == 3

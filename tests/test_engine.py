@@ -14,8 +14,10 @@ import pytest
 import torch
 
 import loading
-from engine import LLM, Request, SamplingParams
+from llm import LLM, Request
+from sampling import SamplingParams
 from tests.tiny_models import FAMILIES, byte_level_tokenizer, make_tiny_model
+from tokenizer import Tokenizer
 
 DEVICE = os.environ.get("NANOKV_TEST_DEVICE", "cpu")
 DTYPE = torch.float32 if DEVICE == "cpu" else torch.float16
@@ -76,31 +78,13 @@ def test_greedy_tokens_match_hf(family_model):
     assert_same_greedy(hf, prompt, req.output_ids)
 
 
-def teacher_forced_logits(llm: LLM, ids: torch.Tensor, prefill: int) -> torch.Tensor:
-    """Logits for every position of ids [1, N]: prefill the first `prefill` tokens, then feed
-    the rest one decode step at a time through the cache."""
-    cache = llm.cache
-    slot = cache.admit(ids.shape[1])
-    ids = ids.to(llm.device)
-    with torch.no_grad():
-        cache.begin_step([slot], prefill)
-        out = [llm.model(ids[:, :prefill], cache=cache)[0]]
-        cache.end_step()
-        for t in range(prefill, ids.shape[1]):
-            cache.begin_step([slot], 1)
-            out.append(llm.model(ids[:, t:t + 1], torch.tensor([[t]], device=llm.device), cache=cache)[0])
-            cache.end_step()
-    cache.release(slot)
-    return torch.cat(out).float().cpu()
-
-
 def test_decode_through_pages_matches_hf(family_model):
     """A tiny sink and window push most of the context through fp16 pages and many flushes;
     every position's logits must match HF's full forward up to fp16 rounding of the pages."""
     family, folder, hf = family_model
     llm = make_llm(folder, sink=4, window=8)
     ids = torch.randint(0, 256, (1, 330), generator=torch.Generator().manual_seed(3))
-    ours = teacher_forced_logits(llm, ids, prefill=150)
+    ours = llm.teacher_force(ids[0].tolist(), [150] + [1] * 180).float().cpu()  # a prefill, then decode steps
     with torch.no_grad():
         ref = hf(ids).logits[0]
     torch.testing.assert_close(ours[:150], ref[:150], atol=LOGIT_ATOL, rtol=0)
@@ -180,7 +164,7 @@ def test_triton_kernels_give_the_torch_paths_tokens(tmp_path, kv):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
-        llm = make_llm(tmp_path, kv=kv, sink=4, window=8, kernels=backend)
+        llm = make_llm(tmp_path, kv=kv, sink=4, window=8, backend=backend)
         outs[backend] = [r.output_ids for r in llm.generate(prompts, params)]
     assert outs["triton"] == outs["torch"]
 
@@ -274,16 +258,16 @@ def gguf_metadata(spm: bytes) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory) -> dict[str, loading.Tokenizer]:
+def tokenizers(tmp_path_factory) -> dict[str, Tokenizer]:
     """Every kind of TOKENIZER_KINDS."""
     byte_level, spm = tmp_path_factory.mktemp("byte-level"), tmp_path_factory.mktemp("sentencepiece")
     byte_level_tokenizer().save(str(byte_level / "tokenizer.json"))
     model = sentencepiece_model()
     (spm / "tokenizer.model").write_bytes(model)
     (spm / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
-    return {"smollm2-gguf": loading.load_tokenizer(None), "byte-level": loading.Tokenizer.from_folder(byte_level),
-            "sentencepiece": loading.Tokenizer.from_folder(spm),
-            "sentencepiece-gguf": loading.Tokenizer.from_gguf_metadata(gguf_metadata(model))}
+    return {"smollm2-gguf": loading.load_tokenizer(None), "byte-level": Tokenizer.from_folder(byte_level),
+            "sentencepiece": Tokenizer.from_folder(spm),
+            "sentencepiece-gguf": Tokenizer.from_gguf_metadata(gguf_metadata(model))}
 
 
 def feed(llm: LLM, tokenizer, ids: list[int], **params) -> tuple[Request, list[str]]:
@@ -368,7 +352,7 @@ def test_stop_strings_across_tokens_are_cut(text_llm, tokenizers, kind, stops, e
 class CountingTokenizer:
     """A tokenizer that counts the ids it is asked to decode."""
 
-    def __init__(self, tok: loading.Tokenizer):
+    def __init__(self, tok: Tokenizer):
         self.tok, self.eos_ids, self.decoded = tok, tok.eos_ids, 0
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:

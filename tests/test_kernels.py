@@ -95,8 +95,7 @@ def make_cache(fmt, heads: int, head_dim: int, n_sink: list[int], n_pages: list[
 
 
 def call(fn, q: torch.Tensor, c: dict, scale: float, **kw) -> torch.Tensor:
-    return fn(q, c["fmt"], c["k_pages"], c["v_pages"], c["page_table"], c["n_pages"], c["sink_k"], c["sink_v"],
-              c["n_sink"], c["recent_k"], c["recent_v"], c["n_recent"], scale, slots=c["slots"], **kw)
+    return fn(q, c["fmt"], kernels.Tiers(**{name: c[name] for name in kernels.Tiers._fields}), scale, **kw)
 
 
 # rows: (n_sink, n_pages, n_recent) per batch row: a short prompt living in the sink alone, a long
@@ -264,7 +263,7 @@ def test_triton_encode_matches_reference(name: str, side: str):
     got = {f: t.clone() for f, t in want.items()}  # the same garbage outside the written pages
     reference.encode_pages_reference(codec, x, want, page_ids)
     quantize.encode_pages(codec, x, got, page_ids)
-    if codec.kind != "kvarn":
+    if not isinstance(codec, quant.kvarn.KVarNCodec):
         for f in specs:
             where = (got[f] != want[f]).nonzero().tolist()[:8]
             assert torch.equal(got[f], want[f]), f"{name} {side}: field {f} differs at {where}"

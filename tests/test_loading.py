@@ -1,4 +1,4 @@
-"""Loading weights and tokenizers (loading.py) against independent oracles.
+"""Loading weights and tokenizers (loading.py, tokenizer.py) against independent oracles.
 
 Oracles: HF transformers loading the same files (the SmolLM2 GGUF, tiny random HF checkpoints),
 sentencepiece itself for sentencepiece vocabularies, and llama.cpp's Q/K permutation formula.
@@ -24,6 +24,7 @@ import torch
 import transformers as tf
 
 import loading
+import tokenizer
 from model import UnsupportedModelError
 from tests.tiny_models import make_tiny_model
 
@@ -300,7 +301,7 @@ def test_tokenizer_json_folder(ours, hf_tokenizer, tmp_path):
     """tokenizer.json + tokenizer_config.json + chat_template.jinja as transformers saves them."""
     hf_tokenizer.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
-    tok = loading.Tokenizer.from_folder(tmp_path)
+    tok = tokenizer.Tokenizer.from_folder(tmp_path)
     hf = tf.AutoTokenizer.from_pretrained(tmp_path)
     assert tok.encode(TEXT) == hf(TEXT)["input_ids"] == ours[1].encode(TEXT)
     assert tok.eos_ids == {0, 2} and tok.bos_id == 1
@@ -320,7 +321,7 @@ def test_bos_follows_post_processor(hf_tokenizer, tmp_path):
         "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}},
     }
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    tok = loading.Tokenizer.from_folder(tmp_path)
+    tok = tokenizer.Tokenizer.from_folder(tmp_path)
     hf = tf.AutoTokenizer.from_pretrained(tmp_path)
     assert tok.add_bos and tok.encode(PROSE) == hf(PROSE)["input_ids"]
     assert tok.encode(PROSE)[0] == 1 and tok.encode(PROSE, add_bos=False)[0] != 1
@@ -328,11 +329,12 @@ def test_bos_follows_post_processor(hf_tokenizer, tmp_path):
 
 def test_chat_template_is_sandboxed(ours):
     _, tok = ours
-    evil = loading.Tokenizer(tok.backend, None, None, False, [], "{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    evil = tokenizer.Tokenizer(tok.backend, None, None, False, [], escape)
     with pytest.raises(jinja2.exceptions.SecurityError):
         evil.apply_chat_template(CONVERSATIONS[0])
-    with pytest.raises(loading.LoadError, match="no chat template"):
-        loading.Tokenizer(tok.backend, None, None, False, [], None).apply_chat_template(CONVERSATIONS[0])
+    with pytest.raises(tokenizer.LoadError, match="no chat template"):
+        tokenizer.Tokenizer(tok.backend, None, None, False, [], None).apply_chat_template(CONVERSATIONS[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,7 +366,7 @@ def test_sentencepiece_folder(spm_model, tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(spm_model)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     sp = sentencepiece.SentencePieceProcessor(model_proto=spm_model)
-    tok = loading.Tokenizer.from_folder(tmp_path)
+    tok = tokenizer.Tokenizer.from_folder(tmp_path)
     assert tok.bos_id == 1 and tok.eos_ids == {2} and tok.add_bos  # LlamaTokenizer's default
     for text in SPM_SAMPLES:
         assert tok.encode(text) == [1, *sp.encode(text)]
@@ -387,7 +389,7 @@ def test_sentencepiece_gguf_tokenizer(spm_model, with_merges, tmp_path):
             "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)], "tokenizer.ggml.token_type": kinds,
             "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
     if with_merges:  # the merges sentencepiece's own BPE applies, from its scores: via the no-merges path
-        merges = loading._sentencepiece_bpe_merges(pieces, meta["tokenizer.ggml.scores"])
+        merges = tokenizer._sentencepiece_bpe_merges(pieces, meta["tokenizer.ggml.scores"])
         meta["tokenizer.ggml.merges"] = [" ".join(m) for m in merges]
     path = write_gguf(tmp_path / "spm.gguf", "llama", meta, {"token_embd.weight": np.zeros((n, 4), np.float32)})
     tok = loading.load_tokenizer(str(path))

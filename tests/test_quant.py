@@ -65,7 +65,7 @@ def test_pack_unpack_bijection(bits, tokens):
 
 @pytest.mark.parametrize("bits,tokens", [(2, 16), (4, 16), (3, 23)])
 def test_pack_split_layout(bits, tokens):
-    """Rebuild every packed word from python ints, following the spec's layout literally."""
+    """Rebuild every packed word from python ints, following quant/rtn.py's layout description literally."""
     g = torch.Generator().manual_seed(7)
     codes = torch.randint(0, 2**bits, (tokens, 3), generator=g, dtype=torch.uint8)
     packed = pack(codes, bits)
@@ -278,9 +278,20 @@ def test_roundtrip_shapes_dtypes_and_error(name, heads, head_dim):
             y = codec.decode(fields)
             assert y.shape == x.shape and y.dtype == torch.float32
             # loose bounds per width, tight enough to catch a scrambled layout (error ~1 or more)
-            bits = {"fp16": 16, "nf4": 4, "kitty": 2}.get(codec.kind) or codec.bits
+            bits = codec.kernel_layout(heads, head_dim).bits  # the width of the (low) code plane
             bound = {16: 1e-6, 4: 0.02, 3: 0.08, 2: 0.35}[bits]
             assert rel_mse(fmt.unrotate(y), x.float()) < bound, (fmt.name, codec)
+
+
+@pytest.mark.parametrize("name", quant.FORMAT_NAMES)
+def test_kernel_layout_addresses_the_stored_fields(name):
+    """A codec's kernel layout names exactly the fields it stores, its code plane with the rows it has."""
+    for heads, head_dim in ((1, 64), (3, 128)):
+        for fmt in layer_formats(name):
+            for codec in (fmt.k, fmt.v):
+                lay, specs = codec.kernel_layout(heads, head_dim), codec.field_specs(heads, head_dim)
+                assert {f for f in lay.fields if f is not None} == set(specs), (fmt.name, codec)
+                assert specs[lay.fields[0]][0][1] == lay.rows, (fmt.name, codec)
 
 
 @pytest.mark.parametrize("name", quant.FORMAT_NAMES)
@@ -341,26 +352,34 @@ def test_kvmix_plan_roundtrip(tmp_path):
     plan.save(path)
     data = json.loads(path.read_text())
     assert data["method"] == "kvmix" and len(data["layers"]) == 10 and data["layers"][1]["k_bits"] == 3
-    fmt = quant.get_format("kvmix", plan=str(path), n_layers=10)
-    assert fmt.for_layer(7).k.bits == 3 and fmt.for_layer(7).v.bits == 4 and fmt.for_layer(0).k.bits == 2
-    assert fmt.window_ratio(1) == plan.layers[1].window_ratio
+    fmt = quant.get_format("kvmix", plan=str(path))
+    layers = fmt.layer_formats(10)
+    assert layers[7].k.bits == 3 and layers[7].v.bits == 4 and layers[0].k.bits == 2
+    # windows in proportion to the ratios: 0.1 keeps the cache's window, 0.2 twice it
+    assert fmt.layer_windows(8, 10) == [16 if p.window_ratio == 0.2 else 8 for p in plan.layers]
     assert kvmix.KVmixPlan.load(path) == plan
     per_layer = [fmt.for_layer(i).bits_per_element(3, 64) for i in range(10)]
     assert fmt.bits_per_element(3, 64) == pytest.approx(sum(per_layer) / 10)
     with pytest.raises(AttributeError, match="for_layer"):
         fmt.k
-    with pytest.raises(ValueError, match="quant.kvmix profile"):
-        quant.get_format("kvmix", plan=str(path), n_layers=30)
+    with pytest.raises(ValueError, match="scripts/kvmix_plan.py"):
+        fmt.layer_formats(30)
     with pytest.raises(ValueError):
         quant.get_format("kvmix", plan={"method": "kvmix", "layers": [{"k_bits": 5, "v_bits": 2, "window_ratio": 0.1}]})
 
 
-def test_kvmix_default_plan(monkeypatch, tmp_path):
-    if kvmix.DEFAULT_PLAN.exists():  # SmolLM2-135M: 30 layers, top 20% at K3 / V4
-        plan = quant.get_format("kvmix", n_layers=30).plan
-        assert sum(p.k_bits for p in plan.layers) == 2 * 30 + 6 and sum(p.v_bits for p in plan.layers) == 2 * 30 + 12
+def test_kvmix_default_plan():
+    """The shipped plan (it is in the repository, so its absence is a failure): SmolLM2-135M's 30
+    layers, the top 20% at K3 / V4."""
+    fmt = quant.get_format("kvmix")
+    plan = fmt.plan
+    assert len(fmt.layer_formats(30)) == 30
+    assert sum(p.k_bits for p in plan.layers) == 2 * 30 + 6 and sum(p.v_bits for p in plan.layers) == 2 * 30 + 12
+
+
+def test_kvmix_missing_plan_names_the_profiler(monkeypatch, tmp_path):
     monkeypatch.setattr(kvmix, "DEFAULT_PLAN", tmp_path / "missing.json")
-    with pytest.raises(FileNotFoundError, match="python -m quant.kvmix profile"):
+    with pytest.raises(FileNotFoundError, match="python scripts/kvmix_plan.py"):
         quant.get_format("kvmix")
 
 
@@ -405,7 +424,7 @@ def test_kvmix_layer_importance_is_mean_gradient_norm():
 
 
 def test_report_measure_orders_formats():
-    from quant.__main__ import measure
+    from scripts.format_report import measure
 
     g = torch.Generator().manual_seed(0)
     captured = []

@@ -1,6 +1,6 @@
 """The KV cache's three tiers (sink, quantized pages, recent window) against independent oracles.
 
-The rule (DESIGN.md, issue 4): the first S tokens of a sequence are its sink; later tokens join
+The rule: the first S tokens of a sequence are its sink; later tokens join
 the recent tier, and each time that tier reaches R + 128 tokens its oldest 128 become one page.
 So once a sequence is past S + R tokens the recent tier holds R..R+127 of them. A prefill block
 ends in the same state as the same tokens fed one by one.
@@ -27,13 +27,13 @@ import torch
 
 import kernels
 import loading
-import model as model_module
 import quant
-from engine import LLM, SamplingParams
 from kvcache import KVCache
+from llm import LLM
+from quant import PAGE_TOKENS
+from sampling import SamplingParams
 from tests.tiny_models import make_tiny_model
 
-PAGE = quant.PAGE_TOKENS
 LAYERS, H, HQ, D = 2, 2, 4, 16  # GQA: two q heads per kv head
 QUANT_METHODS = ["kivi-k2v2", "kitty", "kvarn", "nqkv"]
 ATTN_ATOL = 1e-5  # fp32 cache against the float64 oracle on unit-scale values: op order only
@@ -53,15 +53,15 @@ class TierRule:
 
     @property
     def length(self) -> int:
-        return len(self.sink) + PAGE * len(self.pages) + len(self.recent)
+        return len(self.sink) + PAGE_TOKENS * len(self.pages) + len(self.recent)
 
     def add(self, n: int) -> None:
         for _ in range(n):
             p = self.length
             (self.sink if len(self.sink) < self.S else self.recent).append(p)
-            if len(self.recent) == self.R + PAGE:
-                self.pages.append(self.recent[:PAGE])
-                self.recent = self.recent[PAGE:]
+            if len(self.recent) == self.R + PAGE_TOKENS:
+                self.pages.append(self.recent[:PAGE_TOKENS])
+                self.recent = self.recent[PAGE_TOKENS:]
 
 
 def round_trip(fmt: quant.KVFormat, codec: quant.TileCodec, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +119,7 @@ class DirectTiers:
 # ---- driving the cache with known K/V --------------------------------------------------------
 
 def make_cache(kv: str = "fp16", sink: int = 4, window: int = 8, max_seqs: int = 3, budget_mib: int = 8) -> KVCache:
-    return KVCache(n_layers=LAYERS, n_kv_heads=H, head_dim=D, kv=kv, sink=sink, window=window,
+    return KVCache(quant.get_format(kv), n_layers=LAYERS, n_kv_heads=H, head_dim=D, sink=sink, window=window,
                    max_seqs=max_seqs, max_seq_len=1024, budget_bytes=budget_mib * 2**20)
 
 
@@ -185,7 +185,7 @@ def check_tiers(cache: KVCache, seqs: list[Seq]) -> None:
 
 
 def interesting_lengths(S: int, R: int) -> list[int]:
-    lengths = [0, 1, S - 1, S, S + R - 1, S + R, S + R + 127, S + R + 128, S + R + 129, S + R + 3 * PAGE + 1]
+    lengths = [0, 1, S - 1, S, S + R - 1, S + R, S + R + 127, S + R + 128, S + R + 129, S + R + 3 * PAGE_TOKENS + 1]
     return sorted({n for n in lengths if n >= 0})
 
 
@@ -210,7 +210,7 @@ def test_tier_boundaries_after_prefill(S, R):
 def test_tier_boundaries_during_decode(S, R):
     """Token by token from an empty slot through three flushes, checked after every step."""
     cache = make_cache(sink=S, window=R, max_seqs=1)
-    n = S + R + 3 * PAGE + 2
+    n = S + R + 3 * PAGE_TOKENS + 2
     seq = Seq(cache, n, seed=1)
     for _ in range(n):
         feed(cache, [seq], 1)
@@ -224,7 +224,7 @@ def test_tier_boundaries_prefill_then_batched_decode(S, R):
     rows flush at different steps), then fed odd-sized blocks together; checked after every step."""
     lengths = interesting_lengths(S, R)
     cache = make_cache(sink=S, window=R, max_seqs=len(lengths))
-    decode_steps, blocks = PAGE + 2, (129, 2)  # every row crosses one flush, then blocks straddle pages
+    decode_steps, blocks = PAGE_TOKENS + 2, (129, 2)  # every row crosses one flush, then blocks straddle pages
     seqs = [Seq(cache, n + decode_steps + sum(blocks), seed=n) for n in lengths]
     for seq, n in zip(seqs, lengths):
         if n:
@@ -247,7 +247,7 @@ def test_tier_boundaries_chunked_prefill():
     for n in blocks:
         feed(cache, [seq], n)
         check_tiers(cache, [seq])
-    assert len(seq.rule.pages) == (sum(blocks) - S - R) // PAGE
+    assert len(seq.rule.pages) == (sum(blocks) - S - R) // PAGE_TOKENS
 
 
 # ---- the flush -------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def test_flush_every_128_decode_steps(monkeypatch):
     """Pages are encoded exactly when a row's recent tier reaches R + 128 tokens: once every 128
     decode steps, one tile per flushing row, into the row's next reserved page, for K and V of
     every layer; and no page changes at any other time (so Kitty ranks a page once, at its flush)."""
-    S, R, prompts, steps = 4, 8, (50, 100), 3 * PAGE + 10
+    S, R, prompts, steps = 4, 8, (50, 100), 3 * PAGE_TOKENS + 10
     writes = []  # (decode step, number of tiles, page ids) of every encode_pages call
     real_encode = kernels.encode_pages
 
@@ -284,9 +284,9 @@ def test_flush_every_128_decode_steps(monkeypatch):
     for seq, n in zip(seqs, prompts):
         reserved = cache.page_table[seq.slot, :3].tolist()
         mine = [w for w in writes if w[2][0] in reserved]
-        first = S + R + PAGE - n  # the decode step after which the length is S + R + 128
+        first = S + R + PAGE_TOKENS - n  # the decode step after which the length is S + R + 128
         flushes = sorted({w[0] for w in mine})
-        assert flushes == [first, first + PAGE, first + 2 * PAGE], f"prompt of {n}: flushes after decode steps {flushes}"
+        assert flushes == [first, first + PAGE_TOKENS, first + 2 * PAGE_TOKENS], f"prompt of {n}: flushes after decode steps {flushes}"
         # K and V of every layer at each flush, into the reserved pages in order
         assert [w[2] for w in mine] == [[p] for p in reserved for _ in range(2 * LAYERS)]
 
@@ -334,16 +334,24 @@ def make_llm(folder: Path, **kw) -> LLM:
     return LLM(str(folder), device="cpu", progress=False, kv_budget_gb=0.05, **kw)
 
 
-def teacher_forced(model, cache, slot: int, ids: torch.Tensor, schedule: list[int]) -> torch.Tensor:
-    """Logits [N, V] of ids [1, N] fed through `cache` in blocks of the schedule's sizes (1 = a decode step)."""
+def teacher_forced(model, cache, ids: torch.Tensor, schedule: list[int]) -> torch.Tensor:
+    """Logits [N, V] of ids [1, N] fed as slot 0 of `cache` (an oracle, or a KVCache that admitted
+    them there) in blocks of the schedule's sizes (1 = a decode step); LLM.teacher_force does the
+    same through an LLM's own cache."""
     out, pos = [], 0
     with torch.no_grad():
         for n in schedule:
-            cache.begin_step([slot], n)
+            cache.begin_step([0], n)
             out.append(model(ids[:, pos:pos + n], torch.arange(pos, pos + n)[None], cache=cache)[0])
             cache.end_step()
             pos += n
     return torch.cat(out)
+
+
+def tap_kv(monkeypatch, cache: KVCache, on_kv) -> None:
+    """Make the cache pass each layer's new (k, v) through on_kv(layer, k, v) before storing them."""
+    attend = cache.attend
+    monkeypatch.setattr(cache, "attend", lambda layer, q, k, v: attend(layer, q, *on_kv(layer, k, v)))
 
 
 # prefill (page 0 with sink 4, window 8), decode through the flush of page 1 at 268, a block, decode
@@ -354,39 +362,23 @@ def fp16_round(x: torch.Tensor) -> torch.Tensor:
     return x.half().to(x.dtype)
 
 
-class Tapped:
-    """A KVCache whose attend first passes each layer's (k, v) through on_kv(layer, k, v)."""
-
-    def __init__(self, cache: KVCache, on_kv):
-        self.cache, self.on_kv = cache, on_kv
-
-    def begin_step(self, slots, n_new):
-        self.cache.begin_step(slots, n_new)
-
-    def attend(self, layer, q, k, v):
-        return self.cache.attend(layer, q, *self.on_kv(layer, k, v))
-
-    def end_step(self):
-        self.cache.end_step()
-
-
 def test_fp16_tiers_logits_equal_plain_attention(tiny_llama, monkeypatch):
     """FP16 tiers (sink 4, window 8: most tokens in pages, prefilled and flushed by decode) give
     the logits of plain causal SDPA over the same fp16-rounded K/V, within fp32 op-order noise
     (LOGIT_ATOL): the fp16 pages lose nothing on fp16-exact K/V."""
     llm = make_llm(tiny_llama, sink=4, window=8)
     ids = torch.randint(0, 256, (1, sum(SCHEDULE)), generator=torch.Generator().manual_seed(6))
-    slot = llm.cache.admit(ids.shape[1])
     # The cache gets fp16-rounded K/V, so its fp32 tiers hold exactly the values the oracle uses.
-    rounded = Tapped(llm.cache, lambda layer, k, v: (fp16_round(k), fp16_round(v)))
-    ours = teacher_forced(llm.model, rounded, slot, ids, SCHEDULE)
-    plain_attention = model_module.causal_attention
-    monkeypatch.setattr(model_module, "causal_attention",
+    tap_kv(monkeypatch, llm.cache, lambda layer, k, v: (fp16_round(k), fp16_round(v)))
+    assert llm.cache.admit(ids.shape[1]) == 0  # kept afterwards: its pages are counted below
+    ours = teacher_forced(llm.model, llm.cache, ids, SCHEDULE)
+    plain_attention = kernels.causal_attention
+    monkeypatch.setattr(kernels, "causal_attention",
                         lambda q, k, v, window=None: plain_attention(q, fp16_round(k), fp16_round(v), window))
     with torch.no_grad():
         plain = llm.model(ids)[0]
     torch.testing.assert_close(ours, plain, atol=LOGIT_ATOL, rtol=0)
-    assert llm.kv_stats()["pages"] == 2 * llm.cache.page_bytes
+    assert llm.kv_stats()["pages"] == 2 * llm.cache.shape.page_bytes()
 
 
 @pytest.mark.parametrize("kv", QUANT_METHODS)
@@ -396,9 +388,9 @@ def test_teacher_forced_quantized_logits_equal_direct_oracle(tiny_llama, kv):
     sink, window = 4, 8
     llm = make_llm(tiny_llama, kv=kv, sink=sink, window=window)
     ids = torch.randint(0, 256, (1, sum(SCHEDULE)), generator=torch.Generator().manual_seed(7))
-    ours = teacher_forced(llm.model, llm.cache, llm.cache.admit(ids.shape[1]), ids, SCHEDULE)
-    oracle = DirectTiers(quant.get_format(kv), sink, window, llm.config.n_layers)
-    expected = teacher_forced(llm.model, oracle, 0, ids, SCHEDULE)
+    ours = llm.teacher_force(ids[0].tolist(), SCHEDULE)
+    oracle = DirectTiers(quant.get_format(kv), sink, window, llm.model.config.n_layers)
+    expected = teacher_forced(llm.model, oracle, ids, SCHEDULE)
     assert len(oracle.rule.pages) == 2
     torch.testing.assert_close(ours, expected, atol=LOGIT_ATOL, rtol=0)
     with torch.no_grad():  # and the comparison can tell: quantization moves the logits far more
@@ -413,17 +405,17 @@ def smollm2():
     return loading.load_model(None, device="cpu", progress=False)
 
 
-def test_kitty_ranking_changes_page_to_page_on_real_keys(smollm2):
+def test_kitty_ranking_changes_page_to_page_on_real_keys(smollm2, monkeypatch):
     """On SmolLM2's real post-RoPE keys of English text, the boosted channels Kitty stores for a
     page are the top mean-|K| channels of exactly that page's 128 tokens, and they differ from
     page to page: the ranking is per page, not fixed per head."""
     model, tokenizer = smollm2
     S, R = 32, 16
     text = (Path(quant.__file__).parent / "sample.txt").read_text()
-    n = S + R + 3 * PAGE
+    n = S + R + 3 * PAGE_TOKENS
     ids = torch.tensor([tokenizer.encode(text)[:n]])
     assert ids.shape[1] == n
-    llm = LLM(loaded=smollm2, kv="kitty", sink=S, window=R, max_batch=1, kv_budget_gb=0.1, device="cpu")
+    llm = LLM(*smollm2, kv="kitty", sink=S, window=R, max_batch=1, kv_budget_gb=0.1, device="cpu")
     cache = llm.cache
     keys_seen: dict[int, list[torch.Tensor]] = {}  # the post-RoPE keys each layer hands the cache
 
@@ -432,8 +424,10 @@ def test_kitty_ranking_changes_page_to_page_on_real_keys(smollm2):
         return k, v
 
     slot = cache.admit(n)
+    assert slot == 0
+    tap_kv(monkeypatch, cache, record)
     # The prefill writes pages 0 and 1; the last decode step flushes page 2 (the online ranking).
-    teacher_forced(model, Tapped(cache, record), slot, ids, [n - 32] + [1] * 32)
+    teacher_forced(model, cache, ids, [n - 32] + [1] * 32)
     nb = cache.formats[0].k.n_boost(model.config.head_dim)
     changing = []
     for layer in range(model.config.n_layers):
@@ -441,7 +435,7 @@ def test_kitty_ranking_changes_page_to_page_on_real_keys(smollm2):
         boosted = []
         for j in range(3):
             stored = cache.k_pages[layer]["ids"][int(cache.page_table[slot, j])].long()
-            top = keys[:, S + PAGE * j:S + PAGE * (j + 1)].abs().mean(1).topk(nb).indices
+            top = keys[:, S + PAGE_TOKENS * j:S + PAGE_TOKENS * (j + 1)].abs().mean(1).topk(nb).indices
             for h in range(keys.shape[0]):
                 assert set(stored[h].tolist()) == set(top[h].tolist()), f"layer {layer} head {h} page {j}"
             boosted.append(stored)
@@ -480,7 +474,7 @@ def test_kvmix_important_layers_keep_more_tokens_in_fp16():
     so at the same length it has flushed fewer tokens into (its own-width) pages."""
     plan = {"method": "kvmix", "layers": [{"k_bits": 2, "v_bits": 2, "window_ratio": 0.1},
                                           {"k_bits": 4, "v_bits": 4, "window_ratio": 0.2}]}
-    cache = KVCache(n_layers=LAYERS, n_kv_heads=H, head_dim=D, kv="kvmix", kv_plan=plan, sink=4, window=8,
+    cache = KVCache(quant.get_format("kvmix", plan=plan), n_layers=LAYERS, n_kv_heads=H, head_dim=D, sink=4, window=8,
                     max_seqs=1, max_seq_len=1024, budget_bytes=8 * 2**20)
     seq = Seq(cache, 4 + 16 + 128, seed=12)
     for _ in range(4 + 8 + 128):  # exactly one page's worth past layer 0's window

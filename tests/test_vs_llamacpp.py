@@ -1,30 +1,15 @@
 """scripts/vs_llamacpp.sh's helpers, without a GPU: the table parser on the exact formats that the
 pinned llama.cpp's tools print (llama-bench -o json, llama-batched-bench's markdown table), and the
-GGUF writer's shape against bench.py's configs and nanokv's own model of them."""
+GGUF writer's shape against the built-in shapes and nanokv's own model of them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-peers_table = _load("peers_table")
-make_gguf = _load("make_gguf")
+from scripts import make_gguf, peers_table
 
 # One object as llama-bench (llama-cpp-python 0.3.36's llama.cpp, json_printer) prints it; the GPU
 # fields as a CUDA build fills them. The other tests' objects are this one with fields replaced.
@@ -188,26 +173,26 @@ def test_table_with_a_side_missing(tmp_path, capsys):
     assert "| batch 1, prompt 512, +128 | nanokv | fp16 | 155.0 |  |  |" in out
 
 
-def test_gguf_shapes_follow_bench_configs():
-    """The tensors make_gguf writes for each of bench.py's configs hold exactly as many weights as
-    nanokv's own model of that config."""
+def test_gguf_shapes_follow_builtin_shapes():
+    """The tensors make_gguf writes for each built-in shape (shapes.py) hold exactly as many weights
+    as nanokv's own model of that shape."""
     import torch
 
-    import bench
+    import shapes
     from model import ModelConfig, Transformer
 
     for name in ["llama3-8b", "llama3.1-8b", "qwen3-8b", "mistral-7b"]:
-        s = make_gguf.shape(bench.hf_config(name), _no_overrides())
+        s = make_gguf.shape(shapes.hf_config(name), _no_overrides())
         gguf_params = sum(_numel(shp) for _, shp, kind in make_gguf.tensor_specs(s) if kind != "rope")
         with torch.device("meta"):
-            model = Transformer(ModelConfig.from_hf(bench.hf_config(name)))
+            model = Transformer(ModelConfig.from_hf(shapes.hf_config(name)))
         assert gguf_params == sum(p.numel() for p in model.parameters()), name
-    s = make_gguf.shape(bench.hf_config("llama3.1-8b"), _no_overrides())
+    s = make_gguf.shape(shapes.hf_config("llama3.1-8b"), _no_overrides())
     factors = make_gguf.llama3_rope_factors(s)
     assert factors.shape == (64,) and factors[0] == 1.0 and factors[-1] == 8.0
-    assert make_gguf.llama3_rope_factors(make_gguf.shape(bench.hf_config("llama3-8b"), _no_overrides())) is None
+    assert make_gguf.llama3_rope_factors(make_gguf.shape(shapes.hf_config("llama3-8b"), _no_overrides())) is None
     with pytest.raises(SystemExit):
-        make_gguf.shape(bench.hf_config("opt-6.7b"), _no_overrides())
+        make_gguf.shape(shapes.hf_config("opt-6.7b"), _no_overrides())
 
 
 def _no_overrides():

@@ -1,4 +1,4 @@
-"""python -m quant report [--model M]: what each format loses on a real model's keys and values.
+"""python scripts/format_report.py [--model M]: what each format loses on a real model's keys and values.
 
 Runs the model (default SmolLM2-135M-Instruct) over a text, records every layer's q, k, v as
 the cache would receive them (after RoPE), cuts K and V into 128-token pages, and passes
@@ -11,34 +11,34 @@ them through each preset's encode and decode. Per preset it prints one row of a 
 - out rel. error: ||o' - o|| / ||o|| of the attention output with decoded K and V.
 
 Every token goes through the format: the cache's FP16 sink and recent tiers are left out, so
-this measures the format alone. Only this command line loads a model (through loading.py).
+this measures the format alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from . import FORMAT_NAMES, PAGE_TOKENS, KVFormat, TileCodec, get_format
-from .kvmix import SAMPLE_TEXT
-
-SAME_PAGES_AS = {"kivi-k2v2-nosink": "kivi-k2v2"}  # presets that differ only in the cache's tiers
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernels  # noqa: E402
+from loading import load_model  # noqa: E402
+from quant import FORMAT_NAMES, PAGE_TOKENS, KVFormat, TileCodec, get_format  # noqa: E402
+from quant.kvmix import SAMPLE_TEXT  # noqa: E402
 
 
 def capture(model: torch.nn.Module, ids: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Per layer, float32 q [Hq, L, D], k and v [H, L, D] of one sequence."""
-    from model import causal_attention
-
     captured = []
 
     class Recorder:  # stands in for the KV cache: records, then attends exactly
         def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             captured.append((q[0].float(), k[0].float(), v[0].float()))
-            return causal_attention(q, k, v, model.config.sliding_window)
+            return kernels.causal_attention(q, k, v, model.config.sliding_window)
 
     with torch.no_grad():
         model(ids[None], cache=Recorder())
@@ -56,8 +56,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     group = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-    p = scores.masked_fill(future, -torch.inf).softmax(-1)
+    p = scores.masked_fill(~kernels.reference.causal_mask(q.shape[1], None, q.device), -torch.inf).softmax(-1)
     return p, p @ v
 
 
@@ -80,16 +79,13 @@ def measure(fmt: KVFormat, captured: list[tuple[Tensor, Tensor, Tensor]]) -> dic
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m quant", description="KV cache format tools")
-    commands = parser.add_subparsers(dest="command", required=True)
-    rep = commands.add_parser("report", help="bits and errors of every format on a model's real K/V")
-    rep.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
-    rep.add_argument("--text", default=str(SAMPLE_TEXT), help="text to run (its last --tokens tokens)")
-    rep.add_argument("--tokens", type=int, default=1024, help="tokens to capture, rounded down to whole pages")
-    rep.add_argument("--device", default="cpu")
+    parser = argparse.ArgumentParser(prog="scripts/format_report.py",
+                                     description="bits and errors of every KV format on a model's real K/V")
+    parser.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--text", default=str(SAMPLE_TEXT), help="text to run (its last --tokens tokens)")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens to capture, rounded down to whole pages")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-
-    from loading import load_model
 
     model, tokenizer = load_model(args.model, device=args.device, dtype=torch.float32)
     ids = torch.tensor(tokenizer.encode(Path(args.text).read_text()), device=args.device)
@@ -103,11 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     print("| format | bits/element | K rel. MSE | V rel. MSE | attn cosine | out rel. error |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name in FORMAT_NAMES:
-        if name in SAME_PAGES_AS:
-            continue
         try:
-            options = {"n_layers": len(captured)} if name == "kvmix" else {}
-            r = measure(get_format(name, **options), captured)
+            fmt = get_format(name)
+            if fmt.sink is not None:  # a preset that differs from another only in the cache's sink
+                continue
+            fmt.layer_formats(len(captured))  # e.g. a kvmix plan made for another model
+            r = measure(fmt, captured)
         except (ValueError, FileNotFoundError) as e:  # e.g. no kvmix plan for this model
             print(f"| {name} | n/a: {e} | | | | |")
             continue

@@ -1,4 +1,4 @@
-"""Timing hooks for `python bench.py kernels` (GPU only): decode attention, SDPA, encode, copy.
+"""Kernel timings for `python bench.py kernels` (GPU only): decode attention, SDPA, encode, copy.
 
 Each function builds its inputs on the GPU, times one call with CUDA events (the median of
 triton.testing.do_bench; the attention also inside a CUDA graph, which hides Python launch
@@ -18,40 +18,37 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 import quant
-
-from . import attention, quantize
-
-PAGE = quant.PAGE_TOKENS
+from config import EngineConfig
+from kernels import Tiers, attention, quantize
+from kvcache.tiers import tier_counts
+from quant import PAGE_TOKENS
 
 
 def copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 2 << 30) -> float:
-    """Device copy bandwidth in bytes/s, counting the read and the write (as DESIGN.md does)."""
+    """Device copy bandwidth in bytes/s, counting the read and the write: the ceiling a kernel's
+    achieved bandwidth is judged against."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), return_mode="median")
     return 2 * nbytes / (ms * 1e-3)
 
 
-def tier_counts(context: int, sink: int = 32, window: int = 128) -> tuple[int, int, int]:
-    """(sink, pages, recent) tokens of a sequence of `context` tokens, by the cache's flush rule."""
-    n_sink = min(context, sink)
-    n_pages = max(0, context - sink - window) // PAGE
-    return n_sink, n_pages, context - n_sink - n_pages * PAGE
-
-
 def _pool(codec, n_pages: int, heads: int, head_dim: int, device, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """n_pages distinct pages: 64 really encoded random tiles, copied round the pool."""
-    base = codec.encode(torch.randn(min(64, n_pages), heads, PAGE, head_dim, device=device, generator=gen))
+    base = codec.encode(torch.randn(min(64, n_pages), heads, PAGE_TOKENS, head_dim, device=device, generator=gen))
     reps = -(-n_pages // base[next(iter(base))].shape[0])
     return {n: f.repeat(reps, *[1] * (f.dim() - 1))[:n_pages].contiguous() for n, f in base.items()}
 
 
 def attention_inputs(kv: str, batch: int, context: int, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                     sink: int = 32, window: int = 128, device="cuda", seed: int = 0) -> tuple[tuple, int]:
-    """Positional arguments of decode_attention for `batch` rows of `context` tokens, and the bytes a call moves."""
+                     sink: int = EngineConfig.sink, window: int = EngineConfig.window, device="cuda",
+                     seed: int = 0) -> tuple[tuple, int]:
+    """Positional arguments of decode_attention (q, fmt, tiers, scale) for `batch` rows of
+    `context` tokens, and the bytes a call moves. The format's own sink overrides `sink`."""
     gen = torch.Generator(device).manual_seed(seed)
-    fmt = quant.get_format(kv).for_layer(0)
-    n_sink, n_pages, n_recent = tier_counts(context, sink, window)
+    preset = quant.get_format(kv)
+    fmt = preset.for_layer(0)
+    n_sink, n_pages, n_recent = tier_counts(context, sink if preset.sink is None else preset.sink, window)
     total = max(1, batch * n_pages)
     k_pages = _pool(fmt.k, total, kv_heads, head_dim, device, gen)
     v_pages = _pool(fmt.v, total, kv_heads, head_dim, device, gen)
@@ -62,9 +59,10 @@ def attention_inputs(kv: str, batch: int, context: int, q_heads: int = 32, kv_he
         return torch.randn(batch, kv_heads, max(n, 1), head_dim, device=device, generator=gen).half()
 
     q = torch.randn(batch, q_heads, head_dim, device=device, generator=gen).half()
-    args = (q, fmt, k_pages, v_pages, table, torch.full((batch,), n_pages, **i32),
-            dense(n_sink), dense(n_sink), torch.full((batch,), n_sink, **i32),
-            dense(n_recent), dense(n_recent), torch.full((batch,), n_recent, **i32), head_dim**-0.5)
+    tiers = Tiers(dense(n_sink), dense(n_sink), torch.full((batch,), n_sink, **i32),
+                  k_pages, v_pages, table, torch.full((batch,), n_pages, **i32),
+                  dense(n_recent), dense(n_recent), torch.full((batch,), n_recent, **i32))
+    args = (q, fmt, tiers, head_dim**-0.5)
     nbytes = (batch * n_pages * fmt.page_bytes(kv_heads, head_dim)  # pages, every field
               + batch * (n_sink + n_recent) * kv_heads * head_dim * 2 * 2  # FP16 sink + recent, K and V
               + table.numel() * 4 + 2 * q.numel() * 2)  # page table, q in, o out
@@ -151,7 +149,7 @@ def bench_sdpa(batch: int, context: int, q_heads: int = 32, kv_heads: int = 8, h
 def bench_encode(kv: str, batch: int, kv_heads: int = 8, head_dim: int = 128, device="cuda") -> dict:
     """Encode one 128-token page of K and of V for each of `batch` sequences (one layer, one flush)."""
     fmt = quant.get_format(kv).for_layer(0)
-    x = torch.randn(batch, kv_heads, PAGE, head_dim, device=device, dtype=torch.float16)
+    x = torch.randn(batch, kv_heads, PAGE_TOKENS, head_dim, device=device, dtype=torch.float16)
     pools = [{n: torch.empty((batch, *s), dtype=dt, device=device)
               for n, (s, dt) in codec.field_specs(kv_heads, head_dim).items()} for codec in (fmt.k, fmt.v)]
     ids = torch.arange(batch, dtype=torch.int32, device=device)
@@ -167,7 +165,7 @@ def bench_encode(kv: str, batch: int, kv_heads: int = 8, head_dim: int = 128, de
 def kernel_table(kvs=("fp16", "kivi-k2v2", "kivi-k4v4", "kitty", "kitty-pro", "kvmix", "kvarn", "nqkv"), batches=(1, 16, 64),
                  contexts=(4096, 32768), q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                  variants=("auto",), encode: bool = True) -> list[dict]:
-    """The issue's table (Llama-3-8B attention shape by default): every (kv, variant, batch, context)
+    """The kernel table (Llama-3-8B attention shape by default): every (kv, variant, batch, context)
     with its share of copy bandwidth and its speedup over our FP16 paged kernel (kvs must start
     with fp16 for that; vs_fp16 compares with fp16 under the same variant) and over SDPA; then
     the encode cost per flush of every kv and batch. variants: launch specs (see `variant`), all

@@ -1,0 +1,97 @@
+"""The tier rule and what it costs: where each token of a sequence lives, and how many bytes.
+
+A sequence of `length` tokens keeps its first `sink` tokens in full precision, every token past
+the sink and the recent window in whole 128-token pages, and the rest (window .. window + 127
+tokens once the sink is full) in the full-precision recent tier. The cache (cache.py) applies
+this rule, the benchmarks size pools with it, and the kernel bench builds its inputs from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from quant import PAGE_TOKENS, KVFormat
+
+
+class TierCounts(NamedTuple):
+    """Tokens of a sequence in each tier."""
+
+    sink: int
+    pages: int  # in pages, not tokens
+    recent: int
+
+
+def pages_for(n_tokens: int, sink: int, window: int) -> int:
+    """Pages a sequence of n_tokens holds once flushed: everything past the sink and the window,
+    in whole pages."""
+    return max(0, (n_tokens - sink - window) // PAGE_TOKENS)
+
+
+def tier_counts(length: int, sink: int, window: int) -> TierCounts:
+    """Where the tokens of a flushed sequence of `length` tokens sit."""
+    n_sink = min(length, sink)
+    n_pages = pages_for(length, sink, window)
+    return TierCounts(n_sink, n_pages, length - n_sink - n_pages * PAGE_TOKENS)
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The geometry a cache is sized from: the model's KV shape, one format per layer, the sink
+    and each layer's recent window, and the dtype of the full-precision tiers."""
+
+    n_kv_heads: int
+    head_dim: int
+    formats: tuple[KVFormat, ...]  # one per layer
+    sink: int
+    windows: tuple[int, ...]  # one per layer
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, fmt: KVFormat, n_layers: int, n_kv_heads: int, head_dim: int, sink: int, window: int,
+           dtype: torch.dtype) -> CacheShape:
+        """The shape a format gives a model: its per-layer formats and windows, and its own sink
+        where it has one (a format published without sink tokens keeps none)."""
+        return cls(n_kv_heads, head_dim, tuple(fmt.layer_formats(n_layers)), sink if fmt.sink is None else fmt.sink,
+                   tuple(fmt.layer_windows(window, n_layers)), dtype)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.formats)
+
+    @property
+    def dense_tokens(self) -> int:
+        """Tokens of a slot's full-precision buffer: the sink, the longest window and one page."""
+        return self.sink + max(self.windows) + PAGE_TOKENS
+
+    def slot_bytes(self) -> int:
+        """Bytes of one sequence slot's full-precision sink and recent buffers, K and V, all layers."""
+        return self.n_layers * 2 * self.n_kv_heads * self.dense_tokens * self.head_dim * self.dtype.itemsize
+
+    def page_bytes(self) -> int:
+        """Bytes of one page id: its K and V pages in every layer (a page id spans all layers)."""
+        return sum(f.page_bytes(self.n_kv_heads, self.head_dim) for f in self.formats)
+
+    def pages_needed(self, n_tokens: int) -> int:
+        """Pages a sequence of n_tokens occupies at most (the layer with the shortest window)."""
+        return pages_for(n_tokens, self.sink, min(self.windows))
+
+    def pages_in_budget(self, budget_bytes: int, max_seqs: int) -> int:
+        """Pages that fit in a budget once max_seqs slots and the scratch slot have their
+        full-precision buffers."""
+        dense = (max_seqs + 1) * self.slot_bytes()
+        if budget_bytes < dense:
+            raise ValueError(
+                f"a KV budget of {budget_bytes / 2**30:.2f} GiB cannot even hold the full-precision sink and "
+                f"recent tiers of {max_seqs} sequences ({dense / 2**30:.2f} GiB): raise --kv-budget-gb "
+                "or lower --max-batch"
+            )
+        return (budget_bytes - dense) // self.page_bytes()
+
+    def sequences_in_budget(self, budget_bytes: int, n_tokens: int) -> int:
+        """Most sequences of n_tokens that a budget holds: each with its slot and its pages,
+        plus the scratch slot."""
+        per_seq = self.slot_bytes() + self.pages_needed(n_tokens) * self.page_bytes()
+        return max(0, (budget_bytes - self.slot_bytes()) // per_seq)

@@ -1,0 +1,320 @@
+"""The engine's library: LLM takes requests, schedules them with continuous batching, and
+streams their text.
+
+A request waits in a queue until the cache can admit it (a free slot and pages for its longest
+possible length), is prefilled alone, then joins the running batch: every step feeds each
+running sequence its last token, samples the next one on the device (runner.py), and retires
+the sequences that hit EOS, a stop string or their token limit. Their pages return to the pool,
+and waiting requests take their place between steps.
+
+The host never waits for the step it has just launched: a step's tokens are read one step
+later, while the GPU runs the following step. So EOS and stop strings are seen one step late: a
+finished sequence may compute one extra token, which is dropped. Token limits are counted on
+the host and are never overrun.
+
+    from llm import LLM, SamplingParams
+    llm = LLM(kv="kitty")                        # the default model; settings: config.EngineConfig
+    [req] = llm.generate(["The capital of France is"], SamplingParams(max_new_tokens=20))
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import loading
+import quant
+from config import EngineConfig
+from kvcache import KVCache
+from model import Transformer
+from runner import Launched, ModelRunner
+from sampling import SamplingParams
+from tokenizer import Tokenizer
+
+
+@dataclass
+class Request:
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_text: Callable[[Request, str], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled"
+    slot: int | None = None
+    n_sampled: int = 0  # tokens sampled so far, including one whose value is still on the GPU
+    generator: torch.Generator | None = None
+    _emitted: int = 0  # characters of `text` already streamed
+    # Incremental detokenization (LLM._new_text): `text` is the text of output_ids[:_read_offset];
+    # output_ids[_prefix_offset:_read_offset] are decoded again as the context of the ids after them.
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class LLM:
+    """A model, its tokenizer and a KV cache, serving many requests with continuous batching."""
+
+    def __init__(self, model: str | Transformer | None = None, tokenizer: Tokenizer | None = None, **settings):
+        """model: an HF folder, hub repo id or .gguf file to load (None: the default model), or a
+        Transformer already built (then `tokenizer` goes with it; without one, prompts and
+        outputs are token ids only, as in the benchmarks). settings: the fields of
+        config.EngineConfig (kv, sink, window, kv_budget_gb, max_batch, device, ...)."""
+        self.config = config = EngineConfig(**settings)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
+        if not isinstance(model, Transformer):
+            model, tokenizer = loading.load_model(model, device=self.device, dtype=dtype,
+                                                  allow_pickle=config.allow_pickle, progress=config.progress)
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.eos_ids = tokenizer.eos_ids if tokenizer else set()
+        mc = model.config
+        fmt = quant.get_format(config.kv, **({"plan": config.kv_plan} if config.kv_plan else {}))
+        budget = None
+        if config.num_pages is None:
+            budget = int(config.kv_budget_gb * 2**30) if config.kv_budget_gb else default_kv_budget(self.device)
+        self.cache = KVCache(
+            fmt, n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, sink=config.sink,
+            window=config.window, max_seqs=config.max_batch, max_seq_len=mc.max_seq_len, budget_bytes=budget,
+            num_pages=config.num_pages, device=self.device, dtype=next(model.parameters()).dtype,
+            sliding_window=mc.sliding_window, backend=None if config.backend == "auto" else config.backend,
+        )
+        graphs = config.cuda_graphs and self.device.type == "cuda" and config.backend != "torch"
+        self.runner = ModelRunner(model, self.cache, config.max_batch, graphs)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self._in_flight: collections.deque[Launched] = collections.deque()  # sampled, not yet read
+        self.reset_timing()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    on_text: Callable[[Request, str], None] | None = None) -> Request:
+        """Queue a prompt (text or token ids). Raises ValueError for a prompt that can never run."""
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token of text")
+        ctx = self.model.config.max_seq_len
+        if len(ids) >= ctx:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the model's context is {ctx}: shorten the prompt "
+                f"to at most {ctx - 1} tokens"
+            )
+        max_new = min(params.max_new_tokens, ctx - len(ids))
+        if max_new < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if not self.cache.can_ever_fit(len(ids) + max_new):
+            raise ValueError(
+                f"a request of {len(ids) + max_new} tokens needs {self.cache.pages_needed(len(ids) + max_new)} KV pages "
+                f"but the whole pool has {self.cache.pool.num_pages}: raise --kv-budget-gb or lower --max-new-tokens"
+            )
+        params = SamplingParams(**{**params.__dict__, "max_new_tokens": max_new})
+        req = Request(next(self._ids), ids, params, on_text)
+        if params.seed is not None:
+            req.generator = torch.Generator(self.device).manual_seed(params.seed)
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request now; its pages go back to the pool."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.slot is not None:
+            self._retire(req)
+        req.finish_reason = req.finish_reason or "cancelled"
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._in_flight)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Admit what fits and prefill it, launch one decode step for the running sequences, then
+        read the tokens of every earlier launch; returns the requests that finished."""
+        while self.waiting:
+            req = self.waiting[0]
+            slot = self.cache.admit(len(req.prompt_ids) + req.params.max_new_tokens)
+            if slot is None:
+                break  # no pages or slots: wait for running sequences to finish (FIFO)
+            self.waiting.popleft()
+            req.slot = slot
+            self._in_flight.append(self.runner.prefill(req, slot, req.prompt_ids))
+            self.timing["prefill_tokens"] += len(req.prompt_ids)
+            req.n_sampled = 1
+            self.running.append(req)
+        decoding = [r for r in self.running if not r.finished and 0 < r.n_sampled < r.params.max_new_tokens]
+        if decoding:
+            self._in_flight.append(self.runner.decode(decoding, [r.slot for r in decoding]))
+            for r in decoding:
+                r.n_sampled += 1
+            self.timing["decode_steps"] += 1
+            self.timing["decode_tokens"] += len(decoding)
+        # The newest launch stays in flight (unless it is all there is to wait for), so the GPU
+        # always has a step queued while the host streams text and retires requests.
+        keep = 1 if decoding else 0
+        while len(self._in_flight) > keep:
+            self._read_tokens(self._in_flight.popleft())
+        finished = [r for r in self.running if r.finished]
+        self.running = [r for r in self.running if not r.finished]
+        return finished
+
+    def _read_tokens(self, launched: Launched) -> None:
+        """Wait for a launch's tokens on the host (the GPU is on a later step by now), then
+        accept them; a request that finished meanwhile drops its extra token."""
+        tokens = launched.wait()
+        if launched.timer:
+            self.timing["prefill_s"] += launched.timer.seconds()
+        for req, token in zip(launched.reqs, tokens):
+            if not req.finished:
+                self._accept(req, token)
+
+    def _accept(self, req: Request, token: int) -> None:
+        """Append a sampled token, stream its text, and decide whether the request is done."""
+        p = req.params
+        if token in self.eos_ids and not p.ignore_eos:
+            req.finish_reason = "eos"
+        else:
+            req.output_ids.append(token)
+            if len(req.output_ids) >= p.max_new_tokens:
+                req.finish_reason = "length"
+        if self.tokenizer:  # after the finish reason: a finished request's held-back text is read too
+            searched = len(req.text)
+            req.text += self._new_text(req)
+            self._cut_at_stop(req, searched)
+        self._stream(req)
+        if req.finished:
+            self._retire(req)
+
+    def _new_text(self, req: Request) -> str:
+        """The text that output_ids past req._read_offset add to req.text, from decoding a few ids
+        only (decoding all of them for every token would cost O(n^2) in the output length).
+
+        A token's text depends on the ids before it: a sentencepiece word marker reads as a space
+        except at the start, and a character may be split over several byte tokens. So the new
+        ids are decoded with the ids of the previous read (from _prefix_offset) in front, and the
+        new text is what that adds to decoding the previous read alone. It is held back, the
+        offsets staying put, while it ends in U+FFFD (half a character, whose next bytes are
+        still to come) or is empty (a skipped special token: read on, it would leave the window
+        without the text that keeps a sentencepiece decoder from stripping the next word's
+        space), until the request finishes and everything left is read."""
+        ids, start, read = req.output_ids, req._prefix_offset, req._read_offset
+        if read == len(ids):
+            return ""
+        before = self.tokenizer.decode(ids[start:read], skip_special=True)
+        after = self.tokenizer.decode(ids[start:], skip_special=True)
+        if not req.finished and (len(after) <= len(before) or after.endswith("\ufffd")):
+            return ""
+        if after.startswith(before):
+            new = after[len(before):]
+        else:
+            # Only a byte-fallback decoder (tokenizers' ByteFallback) rewrites text it gave
+            # before: an invalid byte turns its whole run of byte tokens into U+FFFD. The text
+            # read already stays (it may have been streamed); the new ids are read on their own.
+            new = self.tokenizer.decode(ids[read:], skip_special=True)
+        req._prefix_offset, req._read_offset = read, len(ids)
+        return new
+
+    def _cut_at_stop(self, req: Request, searched: int) -> None:
+        """End the request at the earliest stop string in req.text. The first `searched`
+        characters held none, so only the text after them is searched, plus the len(stop) - 1
+        characters before it where a stop string may have begun."""
+        cuts = [i for s in req.params.stop if (i := req.text.find(s, max(0, searched - len(s) + 1))) >= 0]
+        if cuts:
+            req.text, req.finish_reason = req.text[: min(cuts)], "stop"
+
+    def _stream(self, req: Request) -> None:
+        # req.text never ends in half a UTF-8 character before the request finishes (_new_text
+        # holds those bytes back); hold back here anything that could still grow into a stop
+        # string, so streamed text is never taken back.
+        end = len(req.text)
+        if not req.finished:
+            hold = max((len(s) - 1 for s in req.params.stop), default=0)
+            end = max(req._emitted, end - hold)
+        if end > req._emitted:
+            if req.on_text:
+                req.on_text(req, req.text[req._emitted:end])
+            req._emitted = end
+
+    def _retire(self, req: Request) -> None:
+        self.cache.release(req.slot)
+        req.slot = None
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
+                 on_text: Callable[[Request, str], None] | None = None, progress: bool = False) -> list[Request]:
+        """Run prompts to completion as one continuously batched workload; results in prompt order."""
+        reqs = [self.add_request(p, params, on_text) for p in prompts]
+        return self.run(reqs, progress)
+
+    def run(self, reqs: list[Request], progress: bool = False) -> list[Request]:
+        """Step until every queued request has finished; returns reqs."""
+        bar = _progress(len(reqs), progress)
+        while self.has_work():
+            done = self.step()
+            if bar and done:
+                bar.update(len(done))
+        if bar:
+            bar.close()
+        return reqs
+
+    def kv_stats(self) -> dict:
+        """Bytes held by each KV tier, per layer and in total, and bits per cached element."""
+        return self.cache.kv_stats()
+
+    def reset_timing(self) -> None:
+        """Zero the counters of `timing`: prefill seconds (measured on the device) and tokens,
+        decode steps and tokens."""
+        self.timing = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_steps": 0, "decode_tokens": 0}
+
+    # ---- hooks for benchmarks and tests -------------------------------------------------------
+
+    def teacher_force(self, ids: list[int], blocks: list[int]) -> torch.Tensor:
+        """Logits [sum(blocks), V] of feeding ids through the cache as one sequence, in blocks of
+        these sizes (1 = a decode step, every page then written by the decode path): what
+        quality benchmarks score. The sequence is admitted here and released afterwards."""
+        if sum(blocks) > len(ids):
+            raise ValueError(f"blocks of {sum(blocks)} tokens in all, but only {len(ids)} ids")
+        slot = self.cache.admit(sum(blocks))
+        if slot is None:
+            raise ValueError("no free slot or too few free pages for a teacher-forced sequence")
+        try:
+            return self.runner.logits(slot, ids, blocks)
+        finally:
+            self.cache.release(slot)
+
+    def add_synthetic(self, n_tokens: int, params: SamplingParams) -> Request:
+        """A request that holds n_tokens of context already, whatever the cache's tiers contain
+        (KVCache.randomize), and has sampled its first token: it decodes from the next step.
+        Capacity benchmarks run hundreds of long sequences this way without prefilling them."""
+        slot = self.cache.admit(n_tokens + params.max_new_tokens)
+        if slot is None:
+            raise ValueError(f"no room for a synthetic sequence of {n_tokens} + {params.max_new_tokens} tokens")
+        self.cache.assume_stored(slot, n_tokens)
+        req = Request(next(self._ids), [0] * n_tokens, params, output_ids=[0], slot=slot, n_sampled=1)
+        self.running.append(req)
+        return req
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """Most of the free GPU memory on CUDA; a modest 1 GiB on the CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    return 2**30
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or total < 2:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
