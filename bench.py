@@ -71,6 +71,13 @@ def cmd_quality(args) -> None:
     ids = tokenizer.encode(text)[: args.ctx + 1]
     if len(ids) < args.ctx + 1:
         raise SystemExit(f"error: {args.text} has only {len(ids)} tokens; lower --ctx")
+    for method in methods:  # a context that never fills a page measures the FP16 tiers only
+        shape = cache_shape(model, method, args)
+        if shape.pages_needed(len(ids)) == 0:
+            raise SystemExit(
+                f"error: at --ctx {args.ctx}, {method} encodes no page (a page starts once a sequence passes sink "
+                f"{shape.sink} + window {min(shape.windows)} + 128 tokens), so it would look lossless: raise --ctx "
+                f"above {shape.sink + min(shape.windows) + 128} or lower --sink / --window")
     targets = torch.tensor(ids[args.prefix:], device=device)
     rows, reference = [], None
     bar = tqdm(methods, desc="methods", file=sys.stderr)
@@ -163,7 +170,8 @@ def cache_shape(model: Transformer, kv: str, args) -> CacheShape:
     """The tiers and page bytes a method gives this model under the command's sink and window."""
     mc = model.config
     dtype = next(model.parameters()).dtype
-    return CacheShape.of(quant.get_format(kv), mc.n_layers, mc.n_kv_heads, mc.head_dim, args.sink, args.window, dtype)
+    options = {"plan": args.kv_plan} if getattr(args, "kv_plan", None) else {}  # quality alone takes --kv-plan
+    return CacheShape.of(quant.get_format(kv, **options), mc.n_layers, mc.n_kv_heads, mc.head_dim, args.sink, args.window, dtype)
 
 
 def speed_llm(model: Transformer, kv: str, batch: int, tokens: int, args) -> LLM:

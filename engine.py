@@ -10,8 +10,12 @@ Every flag's default comes from config.EngineConfig (model and cache) or Samplin
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
+import time
+from pathlib import Path
 
 import quant
 from config import BACKENDS, EngineConfig
@@ -50,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     s.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--stop", action="append", default=[], help=r"stop string (repeatable; \n and \t are read as newline and tab)")
 
     parser = argparse.ArgumentParser(
         prog="engine.py",
@@ -59,59 +63,135 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", parents=[shared], help="complete one or more prompts (decoded as one batch)",
                          description="Complete prompts. Several prompts decode together as one batch.")
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (several = one batch)")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (several = one batch)")
+    gen.add_argument("-f", "--file", default=None, metavar="FILE", help="read one prompt from FILE ('-' = stdin)")
     gen.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user message with the chat template")
-    sub.add_parser("chat", parents=[shared], help="interactive chat with the model's chat template",
-                   description="Streaming chat REPL. /reset clears the conversation; Ctrl-D or Ctrl-C at the prompt exits; "
-                               "Ctrl-C while the model answers stops the answer.")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per prompt (text, token counts, finish reason, seconds) instead of text")
+    gen.add_argument("--stats", action="store_true", help="print tokens/s and the KV tiers' bytes and bits to stderr")
+    chat = sub.add_parser("chat", parents=[shared], help="interactive chat with the model's chat template",
+                          description="Streaming chat REPL. /reset clears the conversation; /save FILE and /load FILE "
+                                      "keep it as JSON; Ctrl-D or Ctrl-C at the prompt exits; Ctrl-C while the model "
+                                      "answers stops the answer.")
+    chat.add_argument("--system", default=None, help="a system message that starts the conversation")
+    chat.add_argument("--stats", action="store_true", help="print tokens/s and the KV tiers' bytes and bits after each answer")
     return parser
 
 
-def llm_from_args(args) -> LLM:
-    return LLM(args.model, kv=args.kv, device=args.device, dtype=args.dtype, kv_budget_gb=args.kv_budget_gb,
-               max_batch=args.max_batch, sink=args.sink, window=args.window, kv_plan=args.kv_plan,
-               backend=args.backend, cuda_graphs=not args.eager, allow_pickle=args.allow_pickle)
+def settings_from_args(args) -> dict:
+    """The LLM's settings, checked (EngineConfig raises on a bad value) before any model loads."""
+    settings = dict(kv=args.kv, device=args.device, dtype=args.dtype, kv_budget_gb=args.kv_budget_gb,
+                    max_batch=args.max_batch, sink=args.sink, window=args.window, kv_plan=args.kv_plan,
+                    backend=args.backend, cuda_graphs=not args.eager, allow_pickle=args.allow_pickle)
+    EngineConfig(**settings)
+    return settings
+
+
+def unescape(text: str) -> str:
+    r"""A shell hands `--stop "\n\n"` over as backslash-n: read \n, \t and \\ as the characters."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
 def sampling_from_args(args) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop=args.stop)
+                          top_p=args.top_p, seed=args.seed, stop=[unescape(s) for s in args.stop])
+
+
+def read_prompts(args) -> list[str]:
+    """The prompts of the command line, or of --file (one prompt, the whole file; '-' = stdin)."""
+    if args.file is not None:
+        if args.prompts:
+            raise ValueError("give the prompt either on the command line or with --file, not both")
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+        prompts = [text.rstrip("\n")]
+    else:
+        prompts = args.prompts
+    if not prompts:
+        raise ValueError("no prompt: give one or more PROMPT arguments, or --file FILE ('-' reads stdin)")
+    if not all(p.strip() for p in prompts):
+        raise ValueError("a prompt is empty: give at least one token of text")
+    return prompts
+
+
+def finish_note(req, asked: int) -> str:
+    """Why a request ended, in words."""
+    if req.finish_reason == "length" and len(req.output_ids) < asked:
+        return "stopped: context full"
+    return {"eos": "end of text", "stop": "stop string", "length": "token limit", "cancelled": "stopped"}[req.finish_reason]
+
+
+def print_stats(llm: LLM, seconds: float, tokens: int) -> None:
+    stats = llm.kv_stats()
+    mib = {tier: stats[tier] / 2**20 for tier in ("sink", "pages", "recent")}
+    print(f"[{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tok/s | KV {stats['method']}: "
+          f"sink {mib['sink']:.2f} MiB, pages {mib['pages']:.2f} MiB, recent {mib['recent']:.2f} MiB, "
+          f"{stats['bits_per_element']:.2f} bits/element over all tiers ({stats['scope']}), "
+          f"{stats['page_bits_per_element']:.2f} in a page]", file=sys.stderr)
 
 
 def cmd_generate(args) -> None:
-    llm = llm_from_args(args)
-    prompts = args.prompts
+    params = sampling_from_args(args)
+    prompts = read_prompts(args)
+    llm = LLM(args.model, **settings_from_args(args))
+    texts = prompts
     if args.chat_template:  # the rendered template already holds any BOS it wants
         prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_bos=False)
                    for p in prompts]
-    params = sampling_from_args(args)
-    if len(prompts) == 1:
-        req = llm.add_request(prompts[0], params, on_text=lambda r, t: print(t, end="", flush=True))
-        print(args.prompts[0], end="", flush=True)
-        llm.run([req])
-        print()
-        return
-    reqs = [llm.add_request(p, params) for p in prompts]  # all validated before any output
-    for prompt, req in zip(args.prompts, llm.run(reqs, progress=True)):
-        print(f"--- {prompt!r} [{req.finish_reason}, {len(req.output_ids)} tokens]\n{prompt}{req.text}\n")
+    stream = len(prompts) == 1 and not args.json
+    on_text = (lambda r, t: print(t, end="", flush=True)) if stream else None
+    reqs = [llm.add_request(p, params, on_text) for p in prompts]  # all checked before any output
+    if stream and not args.chat_template:  # a completion continues the prompt's text
+        print(texts[0], end="", flush=True)
+    t0 = time.perf_counter()
+    try:
+        llm.run(reqs, progress=not stream and len(reqs) > 1)
+    except KeyboardInterrupt:
+        for req in reqs:
+            llm.cancel(req)
+        print("\n[stopped]", file=sys.stderr)
+        raise SystemExit(130)
+    seconds = time.perf_counter() - t0
+    for text, req in zip(texts, reqs):
+        if args.json:
+            print(json.dumps({"prompt": text, "text": req.text, "prompt_tokens": len(req.prompt_ids),
+                              "completion_tokens": len(req.output_ids), "finish_reason": req.finish_reason,
+                              "seconds": seconds}, ensure_ascii=False))
+        elif stream:
+            print(f"\n[{finish_note(req, params.max_new_tokens)}, {len(req.output_ids)} tokens]", file=sys.stderr)
+        else:
+            print(f"--- {text!r} [{finish_note(req, params.max_new_tokens)}, {len(req.output_ids)} tokens]\n"
+                  f"{'' if args.chat_template else text}{req.text}\n")
+    if args.stats:
+        print_stats(llm, seconds, sum(len(r.output_ids) for r in reqs))
 
 
 def cmd_chat(args) -> None:
-    llm = llm_from_args(args)
+    import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
+
     params = sampling_from_args(args)
-    messages: list[dict] = []
-    print("nanokv chat: /reset clears the conversation, Ctrl-D exits.", file=sys.stderr)
+    llm = LLM(args.model, **settings_from_args(args))
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict] = list(system)
+    print("nanokv chat: /reset clears the conversation, /save FILE and /load FILE keep it as JSON, "
+          "Ctrl-D exits.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return
-        if not line.strip():
+        command, _, arg = line.strip().partition(" ")
+        if not command:
             continue
-        if line.strip() == "/reset":
-            messages = []
+        if command == "/reset":
+            messages = list(system)
             print("(conversation cleared)", file=sys.stderr)
+            continue
+        if command in ("/save", "/load"):
+            try:
+                messages = chat_file(command, arg.strip(), messages)
+            except (OSError, ValueError) as e:
+                print(f"error: {e}", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -122,6 +202,7 @@ def cmd_chat(args) -> None:
             messages.pop()
             print(f"error: {e} (try /reset)", file=sys.stderr)
             continue
+        t0 = time.perf_counter()
         try:
             while not req.finished:
                 llm.step()
@@ -129,7 +210,27 @@ def cmd_chat(args) -> None:
             llm.cancel(req)
             print(" [stopped]", end="")
         print()
+        if req.finish_reason == "length" and len(req.output_ids) < params.max_new_tokens:
+            print("[stopped: context full; /reset starts over]", file=sys.stderr)
+        if args.stats:
+            print_stats(llm, time.perf_counter() - t0, len(req.output_ids))
         messages.append({"role": "assistant", "content": req.text})
+
+
+def chat_file(command: str, path: str, messages: list[dict]) -> list[dict]:
+    """/save writes the conversation as a JSON list of {role, content}; /load reads one back."""
+    if not path:
+        raise ValueError(f"{command} needs a file name, e.g. {command} chat.json")
+    if command == "/save":
+        Path(path).write_text(json.dumps(messages, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        print(f"(saved {len(messages)} messages to {path})", file=sys.stderr)
+        return messages
+    loaded = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not (isinstance(loaded, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                              and isinstance(m.get("content"), str) for m in loaded)):
+        raise ValueError(f"{path} is not a conversation: a JSON list of {{\"role\": ..., \"content\": ...}} objects")
+    print(f"(loaded {len(loaded)} messages from {path})", file=sys.stderr)
+    return loaded
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
         {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
+    except KeyboardInterrupt:  # e.g. while the model loads
+        print(file=sys.stderr)
+        raise SystemExit(130)
 
 
 if __name__ == "__main__":

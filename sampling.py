@@ -3,6 +3,7 @@ row's token on the device (greedy, temperature, top-k, top-p, per-request seeds)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -13,13 +14,30 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 @dataclass
 class SamplingParams:
+    """How one request samples; every range is checked here, so the command line, the Python API
+    and a server all refuse the same bad values with the same one-line ValueError."""
+
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
-    top_p: float = 1.0
+    top_p: float = 1.0  # 1 = off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+
+    def __post_init__(self):
+        checks = [
+            (self.max_new_tokens >= 1, f"max_new_tokens must be at least 1, got {self.max_new_tokens}"),
+            (math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            # top_p 0 would keep no token at all; the smallest nucleus is greedy (temperature 0)
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1] (1 = off; for greedy use temperature 0), got {self.top_p}"),
+            (all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty text, got {self.stop!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
 
 
 class Sampled(Protocol):

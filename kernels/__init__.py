@@ -54,7 +54,13 @@ def _triton_module(name: str, device: torch.device) -> ModuleType:
     full = f"{__name__}.{name}"
     if device.type != "cuda" and full not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
-    module = importlib.import_module(full)
+    try:
+        module = importlib.import_module(full)
+    except ModuleNotFoundError as e:
+        if e.name != "triton":
+            raise
+        raise ValueError("the Triton kernels need the triton package (pip install triton; torch's CUDA wheels "
+                         "bring it): install it, or use --backend torch") from None
     if module.INTERPRETED != (device.type != "cuda"):
         how = "with" if module.INTERPRETED else "without"
         raise RuntimeError(f"{full} was imported {how} TRITON_INTERPRET=1 and cannot run on {device.type} tensors "

@@ -141,6 +141,10 @@ class KVCache:
                     for name, t in pages.items():
                         _fill_random(t, name)
 
+    def stored_tokens(self, slot: int) -> int:
+        """Tokens a slot's sequence holds."""
+        return self._lengths[slot]
+
     def _set_length(self, slot: int, n_tokens: int) -> None:
         self._lengths[slot] = n_tokens
         self._seq_lens[slot] = n_tokens

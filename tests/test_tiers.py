@@ -466,7 +466,7 @@ def test_pool_holds_every_page_after_a_run(tiny_llama):
     assert pool.num_free == pool.num_pages
     assert sorted(pool.allocate(pool.num_pages)) == list(range(pool.num_pages)), "every page exactly once"
     assert cache.num_free_slots == 2
-    assert llm.kv_stats()["total"] == 0
+    assert llm.cache.kv_stats()["total"] == 0
 
 
 def test_kvmix_important_layers_keep_more_tokens_in_fp16():
