@@ -1,8 +1,12 @@
 """The hooks bench.py drives, on a tiny model: quality's teacher forcing against HF transformers'
 full forward, and the capacity bench's synthetic sequences against the token counts they must
-produce."""
+produce; and the quality command's refusal of a context too short to encode a page."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,3 +53,17 @@ def test_synthetic_decode_runs_the_engine_loop_to_the_end(tmp_path):
     assert stored == [3 * (ctx + i) for i in range(steps - 1)]  # the context, then one more token a step
     assert not llm.has_work()
     assert llm.cache.pool.num_free == llm.cache.pool.num_pages and llm.cache.num_free_slots == 3
+
+
+def test_quality_refuses_a_context_that_encodes_no_page(tmp_path):
+    """At 256 tokens with the default sink 32 and window 128, no page is ever written: the quality
+    bench must refuse rather than report kitty as lossless."""
+    make_tiny_model("llama", tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text("lorem ipsum dolor sit amet " * 200)
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "bench.py", "quality", "--model", str(tmp_path), "--text", str(text),
+                          "--ctx", "256", "--kv", "fp16,kitty", "--device", "cpu"], cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "encodes no page" in run.stderr.strip().splitlines()[-1], run.stderr
