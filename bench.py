@@ -60,7 +60,7 @@ def teacher_forced_logprobs(llm: LLM, ids: list[int], prefix: int, block: int) -
     decoding: every page is written by the decode path)."""
     rest = len(ids) - 1 - prefix
     blocks = [prefix] + [block] * (rest // block) + ([rest % block] if rest % block else [])
-    return torch.log_softmax(llm.teacher_force(ids, blocks).float(), -1)[prefix - 1:]
+    return torch.log_softmax(llm.teacher_force(ids, blocks)[prefix - 1:].float(), -1)
 
 
 def cmd_quality(args) -> None:
@@ -283,7 +283,7 @@ def cmd_capacity(args) -> None:
     for method in tqdm(_methods(args.kv), desc="methods", file=sys.stderr):
         shape = cache_shape(model, method, args)
         n = shape.sequences_in_budget(budget, tokens)
-        per_seq = shape.slot_bytes() + shape.pages_needed(tokens) * shape.page_bytes()
+        per_seq = shape.bytes_per_sequence(tokens)
         row = dict(bench="capacity", config=args.config, method=method, ctx=args.ctx, budget_gb=args.budget_gb,
                    max_seqs=n, bytes_per_seq=per_seq, device=torch.cuda.get_device_name())
         if n and not args.no_decode:

@@ -113,9 +113,14 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
+def context_full(req, asked: int) -> bool:
+    """The request ended at the model's context before the `asked` tokens (add_request cut it there)."""
+    return req.finish_reason == "length" and len(req.output_ids) < asked
+
+
 def finish_note(req, asked: int) -> str:
     """Why a request ended, in words."""
-    if req.finish_reason == "length" and len(req.output_ids) < asked:
+    if context_full(req, asked):
         return "stopped: context full"
     return {"eos": "end of text", "stop": "stop string", "length": "token limit", "cancelled": "stopped"}[req.finish_reason]
 
@@ -210,7 +215,7 @@ def cmd_chat(args) -> None:
             llm.cancel(req)
             print(" [stopped]", end="")
         print()
-        if req.finish_reason == "length" and len(req.output_ids) < params.max_new_tokens:
+        if context_full(req, params.max_new_tokens):
             print("[stopped: context full; /reset starts over]", file=sys.stderr)
         if args.stats:
             print_stats(llm, time.perf_counter() - t0, len(req.output_ids))

@@ -54,7 +54,7 @@ class CacheShape:
            dtype: torch.dtype) -> CacheShape:
         """The shape a format gives a model: its per-layer formats and windows, and its own sink
         where it has one (a format published without sink tokens keeps none)."""
-        return cls(n_kv_heads, head_dim, tuple(fmt.layer_formats(n_layers)), sink if fmt.sink is None else fmt.sink,
+        return cls(n_kv_heads, head_dim, tuple(fmt.layer_formats(n_layers)), fmt.sink_tokens(sink),
                    tuple(fmt.layer_windows(window, n_layers)), dtype)
 
     @property
@@ -90,8 +90,10 @@ class CacheShape:
             )
         return (budget_bytes - dense) // self.page_bytes()
 
+    def bytes_per_sequence(self, n_tokens: int) -> int:
+        """What one sequence of n_tokens takes: its slot's full-precision buffers and its pages."""
+        return self.slot_bytes() + self.pages_needed(n_tokens) * self.page_bytes()
+
     def sequences_in_budget(self, budget_bytes: int, n_tokens: int) -> int:
-        """Most sequences of n_tokens that a budget holds: each with its slot and its pages,
-        plus the scratch slot."""
-        per_seq = self.slot_bytes() + self.pages_needed(n_tokens) * self.page_bytes()
-        return max(0, (budget_bytes - self.slot_bytes()) // per_seq)
+        """Most sequences of n_tokens that a budget holds, the scratch slot's buffers aside."""
+        return max(0, (budget_bytes - self.slot_bytes()) // self.bytes_per_sequence(n_tokens))

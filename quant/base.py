@@ -70,12 +70,16 @@ class KVFormat:
     """A named (K codec, V codec) pair: what one page of one layer stores."""
 
     rotated = False  # True where pages hold K @ Hd and V @ Hd instead of K and V (KVarN)
+    # Full-precision sink tokens this format keeps: None = the cache's setting; 0 for a method as
+    # published without sink tokens (e.g. KIVI).
+    sink: int | None = None
 
     def __init__(self, name: str, k: TileCodec, v: TileCodec, sink: int | None = None):
-        self.name, self.k, self.v = name, k, v
-        # Full-precision sink tokens this format keeps: None = the cache's setting; 0 for a
-        # method as published without sink tokens (e.g. KIVI).
-        self.sink = sink
+        self.name, self.k, self.v, self.sink = name, k, v, sink
+
+    def sink_tokens(self, default: int) -> int:
+        """The sink this format keeps when the cache's setting is `default`."""
+        return default if self.sink is None else self.sink
 
     def for_layer(self, layer: int) -> KVFormat:
         """The format of one layer; uniform formats use the same one everywhere."""

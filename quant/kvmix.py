@@ -127,7 +127,7 @@ class KVmixFormat(KVFormat):
     """Per-layer KIVI formats; the cache must ask for_layer(i) (k and v differ per layer)."""
 
     def __init__(self, name: str, plan: KVmixPlan, v_group: int | None = None):
-        self.name, self.plan, self.sink = name, plan, None
+        self.name, self.plan = name, plan
         self.layers = [kivi_format(f"{name}/k{p.k_bits}v{p.v_bits}", p.k_bits, p.v_bits, v_group) for p in plan.layers]
 
     @property
