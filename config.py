@@ -30,6 +30,7 @@ class EngineConfig:
     kv_budget_gb: float | None = None  # memory for the cache; None = 80% of free GPU memory, 1 GiB on CPU
     num_pages: int | None = None  # exact page count instead of a budget (benchmarks size pools this way)
     max_batch: int = 16  # most sequences decoded at once
+    prefill_chunk: int = 2048  # most prompt tokens prefilled per step, between decode steps (0 = whole prompts)
     device: str | None = None  # None = cuda if available
     dtype: str | torch.dtype | None = None  # float32 | float16 | bfloat16; None: float32 on CPU, bfloat16 on CUDA
     backend: str = "auto"  # attention/encode kernels: triton on CUDA, the torch reference elsewhere
@@ -44,5 +45,7 @@ class EngineConfig:
             raise ValueError(f"unknown kernel backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         if self.sink < 0 or self.window < 0:
             raise ValueError(f"sink and window must be >= 0, got sink={self.sink} window={self.window}")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompts), got {self.prefill_chunk}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")

@@ -2,10 +2,13 @@
 streams their text.
 
 A request waits in a queue until the cache can admit it (a free slot and pages for its longest
-possible length), is prefilled alone, then joins the running batch: every step feeds each
-running sequence its last token, samples the next one on the device (runner.py), and retires
-the sequences that hit EOS, a stop string or their token limit. Their pages return to the pool,
-and waiting requests take their place between steps.
+possible length). Its prompt is then prefilled alone, in chunks of at most `prefill_chunk`
+tokens per step (chunked prefill): a long prompt is spread over several steps, each also running
+the decode step of the batch, so running streams keep their pace while it arrives. After its last
+chunk the request joins the running batch: every step feeds each running sequence its last
+token, samples the next one on the device (runner.py), and retires the sequences that hit EOS, a
+stop string or their token limit. Their pages return to the pool, and waiting requests take
+their place between steps.
 
 The host never waits for the step it has just launched: a step's tokens are read one step
 later, while the GPU runs the following step. So EOS and stop strings are seen one step late: a
@@ -49,6 +52,7 @@ class Request:
     text: str = ""
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled"
     slot: int | None = None
+    n_prefilled: int = 0  # prompt tokens already in the cache
     n_sampled: int = 0  # tokens sampled so far, including one whose value is still on the GPU
     generator: torch.Generator | None = None
     _emitted: int = 0  # characters of `text` already streamed
@@ -94,6 +98,7 @@ class LLM:
         graphs = config.cuda_graphs and self.device.type == "cuda" and config.backend != "torch"
         self.runner = ModelRunner(model, self.cache, config.max_batch, graphs)
         self.waiting: collections.deque[Request] = collections.deque()
+        self.prefilling: collections.deque[Request] = collections.deque()  # admitted, prompt partly in the cache
         self.running: list[Request] = []
         self._ids = itertools.count()
         self._in_flight: collections.deque[Launched] = collections.deque()  # sampled, not yet read
@@ -105,9 +110,16 @@ class LLM:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     on_text: Callable[[Request, str], None] | None = None) -> Request:
         """Queue a prompt (text or token ids). Raises ValueError for a prompt that can never run."""
+        req = self.new_request(prompt, params, on_text)
+        self.enqueue(req)
+        return req
+
+    def new_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    on_text: Callable[[Request, str], None] | None = None) -> Request:
+        """A checked request, not yet queued (ValueError for a prompt that can never run). It
+        reads the engine's state but changes none, so a server's threads may call it while
+        another thread steps the engine; that thread then enqueues the request."""
         params = params or SamplingParams()
-        if not self.has_work():  # a new run begins: kv_stats' "last run" is the one before it
-            self._finished_lengths = []
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty: give at least one token of text")
@@ -127,25 +139,33 @@ class LLM:
         req = Request(next(self._ids), ids, params, on_text)
         if params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(params.seed)
-        self.waiting.append(req)
         return req
+
+    def enqueue(self, req: Request) -> None:
+        """Queue a request made by new_request; it is admitted in a later step, first come first served."""
+        if not self.has_work():  # a new run begins: kv_stats' "last run" is the one before it
+            self._finished_lengths = []
+        self.waiting.append(req)
 
     def cancel(self, req: Request) -> None:
         """Stop a request now; its pages go back to the pool."""
         if req in self.waiting:
             self.waiting.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         if req.slot is not None:
             self._retire(req)
         req.finish_reason = req.finish_reason or "cancelled"
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._in_flight)
+        return bool(self.waiting or self.prefilling or self.running or self._in_flight)
 
     # ---- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Admit what fits and prefill it, launch one decode step for the running sequences, then
-        read the tokens of every earlier launch; returns the requests that finished."""
+        """Admit what fits, prefill the next prompt chunk(s), launch one decode step for the
+        running sequences, then read the tokens of every earlier launch; returns the requests
+        that finished."""
         while self.waiting:
             req = self.waiting[0]
             slot = self.cache.admit(len(req.prompt_ids) + req.params.max_new_tokens)
@@ -153,10 +173,22 @@ class LLM:
                 break  # no pages or slots: wait for running sequences to finish (FIFO)
             self.waiting.popleft()
             req.slot = slot
-            self._in_flight.append(self.runner.prefill(req, slot, req.prompt_ids))
-            self.timing["prefill_tokens"] += len(req.prompt_ids)
-            req.n_sampled = 1
-            self.running.append(req)
+            self.prefilling.append(req)
+        budget = self.config.prefill_chunk or None  # prompt tokens this step may prefill (None: all)
+        while self.prefilling and (budget is None or budget > 0):
+            req = self.prefilling[0]
+            start = req.n_prefilled
+            n = len(req.prompt_ids) - start if budget is None else min(budget, len(req.prompt_ids) - start)
+            last = start + n == len(req.prompt_ids)
+            self._in_flight.append(self.runner.prefill(req, req.slot, req.prompt_ids[start:start + n],
+                                                         sample_next=last))
+            req.n_prefilled += n
+            self.timing["prefill_tokens"] += n
+            budget = None if budget is None else budget - n
+            if last:  # its first token is sampled: it decodes from the next step
+                self.prefilling.popleft()
+                req.n_sampled = 1
+                self.running.append(req)
         decoding = [r for r in self.running if not r.finished and 0 < r.n_sampled < r.params.max_new_tokens]
         if decoding:
             self._in_flight.append(self.runner.decode(decoding, [r.slot for r in decoding]))
@@ -262,14 +294,26 @@ class LLM:
         return self.run(reqs, progress)
 
     def run(self, reqs: list[Request], progress: bool = False) -> list[Request]:
-        """Step until every queued request has finished; returns reqs."""
-        bar = _progress(len(reqs), progress)
+        """Step until every queued request has finished; returns reqs. progress: bars on stderr
+        for the requests (two or more) and for a prefill long enough to take several steps."""
+        chunk = self.config.prefill_chunk
+        prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
+        requests_bar = _progress(len(reqs), progress and len(reqs) > 1, "requests", "req")
+        prefill_bar = _progress(prompt_tokens, progress and chunk and prompt_tokens > 2 * chunk, "prefill", "tok")
+        prefilled = self.timing["prefill_tokens"]
         while self.has_work():
             done = self.step()
-            if bar and done:
-                bar.update(len(done))
-        if bar:
-            bar.close()
+            if requests_bar and done:
+                requests_bar.update(len(done))
+            if prefill_bar:
+                prefill_bar.update(self.timing["prefill_tokens"] - prefilled)
+                prefilled = self.timing["prefill_tokens"]
+                if not self.waiting and not self.prefilling:
+                    prefill_bar.close()
+                    prefill_bar = None
+        for bar in (requests_bar, prefill_bar):
+            if bar:
+                bar.close()
         return reqs
 
     def kv_stats(self) -> dict:
@@ -341,9 +385,9 @@ def default_kv_budget(device: torch.device) -> int:
     return 2**30
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled or total < 2:
+def _progress(total: int, enabled: bool, desc: str, unit: str):
+    if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)

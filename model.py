@@ -326,8 +326,11 @@ class Transformer(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.config.tie_embeddings else self.lm_head.weight
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """Logits [B, T, vocab] for token ids [B, T] at absolute positions [B, T] (default 0..T-1)."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits [B, T, vocab] for token ids [B, T] at absolute positions [B, T] (default 0..T-1);
+        last_only: logits of the last position only, [B, 1, vocab] (a prefill samples only from
+        it, and an 8k-token prompt's full logits would take gigabytes)."""
         B, T = ids.shape
         if positions is None:
             positions = torch.arange(T, device=ids.device).expand(B, T)
@@ -344,6 +347,8 @@ class Transformer(nn.Module):
         pending = None
         for layer in self.layers:
             x, pending = layer(x, pending, rope, cache)
+        if last_only:
+            x, pending = x[:, -1:], None if pending is None else pending[:, -1:]
         if hasattr(self, "norm"):
             x = add_then_norm(self.norm, x, pending)[1]
         elif pending is not None:

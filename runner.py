@@ -1,7 +1,7 @@
 """The model runner: runs the model over the KV cache for the scheduler (llm.py) and hands back
 the sampled tokens without making the host wait.
 
-A prefill runs one prompt alone; a decode step runs every running sequence's last token. Decode
+A prefill runs one prompt (or one chunk of it) alone; a decode step runs every running sequence's last token. Decode
 steps are captured once per batch-size bucket in CUDA graphs (DecodeGraphs), so a step is one
 replay instead of hundreds of kernel launches from Python. Sampled tokens stay on the GPU, where
 the next step reads them; a copy goes to a pinned host buffer, with an event that says when it
@@ -37,13 +37,16 @@ class ModelRunner:
         self._decode_parity = 0
 
     @torch.inference_mode()
-    def prefill(self, req: Sampled, slot: int, prompt_ids: list[int]) -> Launched:
-        """Run a prompt into its slot and sample its first token; timed on the device (the host
-        does not wait for it)."""
+    def prefill(self, req: Sampled, slot: int, ids: list[int], sample_next: bool = True) -> Launched:
+        """Run prompt tokens into a slot (the whole prompt, or its next chunk after the ones
+        already stored) and, after the last chunk, sample the first token. Timed on the device;
+        the host does not wait for it."""
         timer = _DeviceTimer(self.device)
-        positions = self.cache.begin_step([slot], len(prompt_ids))
-        logits = self.model(to_device([prompt_ids], self.device), positions, cache=self.cache)[:, -1]
+        positions = self.cache.begin_step([slot], len(ids))
+        logits = self.model(to_device([ids], self.device), positions, cache=self.cache, last_only=True)[:, -1]
         self.cache.end_step()
+        if not sample_next:
+            return Launched(None, [], timer.stop())
         tokens = sample(logits, [req])
         self.last_tokens[slot] = tokens[0]
         return _HostTokens(1, self.device).launch(tokens, [req], timer.stop())
@@ -153,13 +156,16 @@ class _HostTokens:
 
 @dataclass
 class Launched:
-    """Tokens sampled for these requests, on their way to the host."""
+    """Tokens sampled for these requests, on their way to the host (out None: a prefill chunk
+    that sampled nothing, kept for its timer)."""
 
-    out: _HostTokens
+    out: _HostTokens | None
     reqs: list
     timer: _DeviceTimer | None = None
 
     def wait(self) -> list[int]:
+        if self.out is None:
+            return []
         if self.out.event is not None:
             self.out.event.synchronize()
         return self.out.buffer[: len(self.reqs)].tolist()

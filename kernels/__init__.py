@@ -5,8 +5,7 @@
                              window=None, return_lse=False, backend=None)
         -> o, or (o, lse) with return_lse                 # arguments: kernels/reference.py
     kernels.encode_pages(codec, x, pool_fields, page_ids, backend=None)   # x [N, H, T, D] -> pages, in place
-    kernels.causal_attention(q, k, v, window=None, with_lse=False)    # among a forward's new tokens
-    kernels.merge_partials([(o, lse), ...])              # log-sum-exp merge of partial attentions
+    kernels.causal_attention(q, k, v, window=None)       # a forward's new tokens (after any stored ones)
     kernels.rms_norm(x, weight, eps), kernels.add_rms_norm(x, h, weight, eps) -> (x + h, its norm),
     kernels.apply_rope(x, cos, sin), kernels.silu_mul(gate, up)
                                                          # the model's per-token arithmetic
@@ -130,7 +129,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 Tiers = reference.Tiers
 causal_attention = reference.causal_attention
-merge_partials = reference.merge_partials
 
-__all__ = ["BACKENDS", "Tiers", "add_rms_norm", "apply_rope", "causal_attention", "decode_attention", "encode_pages", "linear", "merge_partials", "pick_backend",
+__all__ = ["BACKENDS", "Tiers", "add_rms_norm", "apply_rope", "causal_attention", "decode_attention", "encode_pages", "linear", "pick_backend",
            "reference", "rms_norm", "silu_mul", "store_token"]

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from torch import Tensor
 
 from quant import PAGE_TOKENS
@@ -140,28 +141,30 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     return (o, lse) if return_lse else o
 
 
-def causal_mask(n: int, window: int | None, device: torch.device) -> Tensor:
-    """[n, n] bool: query i sees key j when j <= i and, with a sliding window, i - j < window."""
-    i = torch.arange(n, device=device)
-    allowed = i[None, :] <= i[:, None]
-    return allowed if window is None else allowed & (i[:, None] - i[None, :] < window)
+def causal_mask(n: int, window: int | None, device: torch.device, keys: int | None = None) -> Tensor:
+    """[n, keys] bool for n queries that are the last n of `keys` positions (default keys = n):
+    query i, at position p = keys - n + i, sees key j when j <= p and, with a sliding window,
+    p - j < window."""
+    keys = n if keys is None else keys
+    p = torch.arange(n, device=device)[:, None] + (keys - n)
+    j = torch.arange(keys, device=device)[None, :]
+    allowed = j <= p
+    return allowed if window is None else allowed & (p - j < window)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
-                     with_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """Causal attention of T queries q [B, Hq, T, D] over the same T keys k, v [B, H, T, D]
-    (GQA, an optional sliding window). with_lse: computed in float32 with each row's log-sum-exp
-    of its logits, so that it can merge with attention over older tokens (merge_partials)."""
-    T = q.shape[-2]
-    if not with_lse:
-        if window is None or window >= T:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, window, q.device), enable_gqa=True)
-    G = q.shape[1] // k.shape[1]
-    kf, vf = k.float().repeat_interleave(G, dim=1), v.float().repeat_interleave(G, dim=1)
-    s = (q.float() @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    s = s.masked_fill(~causal_mask(T, window, q.device), float("-inf"))
-    return torch.softmax(s, dim=-1) @ vf, torch.logsumexp(s, dim=-1)
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+    """Causal attention of T queries q [B, Hq, T, D] over S >= T keys k, v [B, H, S, D] whose
+    last T are the queries' own tokens (GQA, an optional sliding window). S > T: a block of new
+    tokens after stored ones (chunked prefill), whose keys were read back from the cache."""
+    T, S = q.shape[-2], k.shape[-2]
+    if S == T and (window is None or window >= T):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+    if S > T:  # a mask and GQA together would fall back to the math kernel: give each q head its keys
+        G = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    if window is None:  # lower-right causal, without materializing the mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, window, q.device, keys=S), enable_gqa=True)
 
 
 def encode_pages_reference(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor) -> None:

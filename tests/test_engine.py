@@ -92,6 +92,46 @@ def test_decode_through_pages_matches_hf(family_model):
     assert llm.cache.pool.num_free == llm.cache.pool.num_pages
 
 
+def test_chunked_prefill_matches_hf(family_model):
+    """A prompt prefilled 16 tokens a step (each chunk attending to the chunks before it) gives
+    HF's greedy tokens; with a tiny sink and window the chunks also pass through pages."""
+    family, folder, hf = family_model
+    prompt = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(6)).tolist()
+    [req] = make_llm(folder, prefill_chunk=16).generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert_same_greedy(hf, prompt, req.output_ids)
+    ids = torch.randint(0, 256, (1, 320), generator=torch.Generator().manual_seed(7))
+    ours = make_llm(folder, sink=4, window=8).teacher_force(ids[0].tolist(), [64] * 5).float().cpu()
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    torch.testing.assert_close(ours[:64], ref[:64], atol=LOGIT_ATOL, rtol=0)
+    torch.testing.assert_close(ours, ref, atol=PAGE_ATOL, rtol=0)
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps(tmp_path):
+    """While a long prompt arrives in chunks, the running sequences advance a token every step;
+    every result equals the same request run alone."""
+    make_tiny_model("llama", tmp_path)
+    llm = make_llm(tmp_path, prefill_chunk=32, sink=4, window=8)
+    g = torch.Generator().manual_seed(8)
+    short = [torch.randint(0, 256, (10,), generator=g).tolist() for _ in range(2)]
+    long = torch.randint(0, 256, (200,), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    alone = [llm.generate([p], params)[0].output_ids for p in (*short, long)]
+    running = [llm.add_request(p, params) for p in short]
+    llm.step()
+    late = llm.add_request(long, params)
+    before = [r.n_sampled for r in running]
+    for chunk in range(1, 7):  # 200 tokens in chunks of 32: the seventh step holds the last 8
+        llm.step()
+        assert late.n_prefilled == 32 * chunk and not late.n_sampled
+        assert [r.n_sampled for r in running] == [n + chunk for n in before]
+    llm.step()
+    assert late.n_prefilled == 200 and late.n_sampled == 2  # sampled after its last chunk, then decoded
+    llm.run([])
+    assert [r.output_ids for r in (*running, late)] == alone
+    assert llm.cache.pool.num_free == llm.cache.pool.num_pages
+
+
 def test_batched_equals_unbatched():
     import tempfile
     from pathlib import Path
