@@ -1,8 +1,9 @@
-"""nanokv's command line: `python engine.py generate|chat`, over the LLM of llm.py.
+"""nanokv's command line: `python engine.py generate|chat|serve`, over the LLM of llm.py.
 
     python engine.py generate "The capital of France is"
     python engine.py generate --kv kitty --max-new-tokens 200 "Once upon a time"
     python engine.py chat --kv kitty
+    python engine.py serve --kv kitty --port 8000      # OpenAI-compatible HTTP API (server/)
 
 Every flag's default comes from config.EngineConfig (model and cache) or SamplingParams.
 """
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-budget-gb", type=float, default=d.kv_budget_gb,
                    help="memory for the KV cache in GiB (default: 80%% of free GPU memory, 1 GiB on CPU)")
     g.add_argument("--max-batch", type=int, default=d.max_batch, help=f"most sequences decoded at once (default {d.max_batch})")
+    g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="TOKENS",
+                   help=f"most prompt tokens prefilled per step, between decode steps, so a long prompt does not "
+                        f"stall running streams (0 = whole prompts at once; default {d.prefill_chunk})")
     g.add_argument("--device", choices=["cpu", "cuda"], default=d.device, help="default: cuda if available")
     g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=d.dtype,
                    help="weight/activation dtype (default: float32 on CPU, bfloat16 on CUDA where supported)")
@@ -47,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps (debugging)")
     g.add_argument("--allow-pickle", action="store_true",
                    help="allow loading pickle .bin checkpoints (with torch.load weights_only=True)")
-    s = shared.add_argument_group("sampling")
+    sampling = argparse.ArgumentParser(add_help=False)
+    s = sampling.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help=f"tokens to generate at most (default {DEFAULT_MAX_NEW_TOKENS})")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
@@ -61,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="nanokv: a small LLM inference engine with quantized, paged KV caches.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", parents=[shared], help="complete one or more prompts (decoded as one batch)",
+    gen = sub.add_parser("generate", parents=[shared, sampling], help="complete one or more prompts (decoded as one batch)",
                          description="Complete prompts. Several prompts decode together as one batch.")
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (several = one batch)")
     gen.add_argument("-f", "--file", default=None, metavar="FILE", help="read one prompt from FILE ('-' = stdin)")
@@ -69,19 +74,39 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per prompt (text, token counts, finish reason, seconds) instead of text")
     gen.add_argument("--stats", action="store_true", help="print tokens/s and the KV tiers' bytes and bits to stderr")
-    chat = sub.add_parser("chat", parents=[shared], help="interactive chat with the model's chat template",
+    chat = sub.add_parser("chat", parents=[shared, sampling], help="interactive chat with the model's chat template",
                           description="Streaming chat REPL. /reset clears the conversation; /save FILE and /load FILE "
                                       "keep it as JSON; Ctrl-D or Ctrl-C at the prompt exits; Ctrl-C while the model "
                                       "answers stops the answer.")
     chat.add_argument("--system", default=None, help="a system message that starts the conversation")
     chat.add_argument("--stats", action="store_true", help="print tokens/s and the KV tiers' bytes and bits after each answer")
+    serve = sub.add_parser("serve", parents=[shared], help="OpenAI-compatible HTTP server (completions, chat, streaming)",
+                           description="Serve the OpenAI API: POST /v1/completions and /v1/chat/completions (streamed "
+                                       "or not), GET /v1/models, /health and /metrics (Prometheus). Requests join the "
+                                       "running batch between steps. SIGTERM or Ctrl-C drains: new requests get 503, "
+                                       "running ones finish, then it exits (a second signal exits at once).")
+    n = serve.add_argument_group("server")
+    n.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    n.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    n.add_argument("--api-key", default=os.environ.get("NANOKV_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $NANOKV_API_KEY; none)")
+    n.add_argument("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    n.add_argument("--config", default=None, metavar="SHAPE",
+                   help="serve random weights of a built-in shape (e.g. llama3-8b) instead of a model, for benchmarks; "
+                        "text is then token ids written out")
+    n.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"max_tokens of a request that gives none (default {DEFAULT_MAX_NEW_TOKENS})")
+    n.add_argument("--max-waiting", type=int, default=256,
+                   help="requests that may wait for the cache; beyond, 429 with Retry-After (default 256)")
+    n.add_argument("--max-body-kb", type=int, default=1024, help="largest request body in KiB (default 1024)")
+    n.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
 
 def settings_from_args(args) -> dict:
     """The LLM's settings, checked (EngineConfig raises on a bad value) before any model loads."""
     settings = dict(kv=args.kv, device=args.device, dtype=args.dtype, kv_budget_gb=args.kv_budget_gb,
-                    max_batch=args.max_batch, sink=args.sink, window=args.window, kv_plan=args.kv_plan,
+                    max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, sink=args.sink, window=args.window, kv_plan=args.kv_plan,
                     backend=args.backend, cuda_graphs=not args.eager, allow_pickle=args.allow_pickle)
     EngineConfig(**settings)
     return settings
@@ -149,7 +174,7 @@ def cmd_generate(args) -> None:
         print(texts[0], end="", flush=True)
     t0 = time.perf_counter()
     try:
-        llm.run(reqs, progress=not stream and len(reqs) > 1)
+        llm.run(reqs, progress=True)
     except KeyboardInterrupt:
         for req in reqs:
             llm.cancel(req)
@@ -238,10 +263,39 @@ def chat_file(command: str, path: str, messages: list[dict]) -> list[dict]:
     return loaded
 
 
+def cmd_serve(args) -> None:
+    settings = settings_from_args(args)
+    if args.max_new_tokens < 1 or args.max_waiting < 1 or args.max_body_kb < 1:
+        raise ValueError("--max-new-tokens, --max-waiting and --max-body-kb must be at least 1")
+    try:
+        from server.app import serve
+    except ImportError as e:
+        raise ValueError(f"serve needs {e.name}: pip install -r requirements.txt") from None
+    if args.config:
+        import torch
+
+        from shapes import TokenIdText, hf_config, random_model
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = getattr(torch, args.dtype or ("float16" if device == "cuda" else "float32"))
+        model = random_model(hf_config(args.config), device, dtype)
+        llm = LLM(model, TokenIdText(model.config.vocab_size), **settings)
+        name = args.config
+    else:
+        llm = LLM(args.model, **settings)
+        local = args.model and Path(args.model).exists()  # a hub id is its own name; a path, its last part
+        name = Path(args.model).name.removesuffix(".gguf") if local else args.model or "SmolLM2-135M-Instruct"
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
+    serve(llm, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name or name,
+          api_key=args.api_key, max_body_bytes=args.max_body_kb * 1024, max_waiting=args.max_waiting,
+          default_max_tokens=args.max_new_tokens)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+        {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
     except KeyboardInterrupt:  # e.g. while the model loads

@@ -69,3 +69,29 @@ def weight_bytes_per_step(model: Transformer) -> int:
     if not model.config.tie_embeddings:
         total -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
     return total
+
+
+class TokenIdText:
+    """The tokenizer of a random-weight shape, which has no vocabulary: text is the token ids
+    written out ("12 7 99 "). A server can then run a real model's shape for benchmarks, which
+    send prompts as token ids and count the tokens they get back."""
+
+    eos_ids: set[int] = set()
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        try:
+            ids = [int(word) for word in text.split()]
+        except ValueError:
+            raise ValueError("a random-weight model reads text as token ids separated by spaces, e.g. '12 7 99'") from None
+        if not all(0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return "".join(f"{i} " for i in ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        raise ValueError("a random-weight model has no chat template: use /v1/completions")

@@ -119,3 +119,10 @@ def test_chat_save_and_load_round_trip(newline_model, tmp_path):
     assert conversation[1]["content"] == "hello" and conversation[2]["content"]
     assert json.loads(again.read_text()) == conversation
     assert "error:" in run.stderr  # the missing file: one error line, and the chat went on
+
+
+def test_a_long_prefill_shows_progress(newline_model):
+    run = engine("generate", "--model", str(newline_model), "--device", "cpu", "--kv-budget-gb", "0.05",
+                 "--max-new-tokens", "2", "--prefill-chunk", "8", " ".join(f"w{i}" for i in range(1, 60)))
+    assert run.returncode == 0, run.stderr
+    assert "prefill:" in run.stderr and "/59 [" in run.stderr  # a bar over the prompt's 59 tokens
