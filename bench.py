@@ -7,6 +7,7 @@ can write JSON lines (--json) and, for speed and capacity, a PNG plot (--plot).
     python bench.py capacity --config llama3-8b --budget-gb 60 --ctx 8192 --kv fp16,kitty
     python bench.py kernels  --kv fp16,kitty --batch 1,16,64 --ctx 4096,32768
     python bench.py matmul   --config llama3-8b --rows 1,16
+    python bench.py serve    --url http://127.0.0.1:8000 --clients 64 --requests 256   # engine.py serve running
 
 Speed, capacity and matmul run random weights of a real model's shape (shapes.py): decode speed
 does not depend on the weights' values.
@@ -177,7 +178,7 @@ def cache_shape(model: Transformer, kv: str, args) -> CacheShape:
 def speed_llm(model: Transformer, kv: str, batch: int, tokens: int, args) -> LLM:
     """An LLM whose page pool holds exactly `batch` sequences of `tokens` tokens."""
     return LLM(model, kv=kv, device="cuda", max_batch=batch, sink=args.sink, window=args.window, backend=args.backend,
-               num_pages=batch * cache_shape(model, kv, args).pages_needed(tokens))
+               prefill_chunk=args.prefill_chunk, num_pages=batch * cache_shape(model, kv, args).pages_needed(tokens))
 
 
 def cmd_speed(args) -> None:
@@ -415,6 +416,38 @@ def cmd_matmul(args) -> None:
          args.json)
 
 
+def cmd_serve(args) -> None:
+    """Concurrent streaming clients against a running server (benchmarks/serve.py)."""
+    from benchmarks import serve
+
+    def span(flag: str, spec: str) -> tuple[int, int]:
+        lo, _, hi = spec.partition(":")
+        try:
+            lo, hi = int(lo), int(hi or lo)
+        except ValueError:
+            lo = hi = 0
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{flag} takes LO:HI (or N) with 1 <= LO <= HI, not {spec!r}")
+        return lo, hi
+
+    row, results = serve.run(args.url, requests=args.requests, clients=args.clients,
+                             prompt_len=span("--prompt-len", args.prompt_len), output_len=span("--output-len", args.output_len),
+                             seed=args.seed, vocab=args.vocab, model=args.model, api_key=args.api_key,
+                             long_prompt=args.long_prompt, long_after=args.long_after, label=args.label)
+    columns = ["label", "clients", "completed", "failed", "output_tok_s", "requests_s", "ttft_p50_ms", "ttft_p99_ms",
+               "itl_p50_ms", "itl_p99_ms", "itl_max_ms"]
+    if args.long_prompt:
+        columns += ["long_ttft_ms", "gaps_during_long", "itl_during_long_p50_ms", "itl_during_long_p99_ms",
+                    "itl_during_long_max_ms"]
+    emit([row], columns, args.json)
+    if args.plot:
+        serve.plot(results, args.plot, f"{args.label or args.url}: {args.clients} clients")
+    if row["first_error"]:
+        print(f"first error: {row['first_error']}", file=sys.stderr)
+    if row.get("long_error"):
+        print(f"long-prompt request failed: {row['long_error']}", file=sys.stderr)
+
+
 # ---- command line -----------------------------------------------------------------------------
 
 
@@ -456,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
             s.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
             s.add_argument("--vs-hf", action="store_true", help="also run HF transformers (static cache, SDPA)")
+            s.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk, metavar="TOKENS",
+                           help=f"prompt tokens prefilled per step (0 = whole prompts; default {EngineConfig.prefill_chunk})")
             s.add_argument("--profile", type=int, default=0, metavar="STEPS",
                            help="profile this many decode steps at the first batch size (table on stderr)")
         else:
@@ -480,15 +515,38 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     mm.add_argument("--rows", default="1,16", help="comma-separated input rows (batch sizes <= 16)")
     mm.add_argument("--json", default=None, help="append results as JSON lines to this file")
+
+    sv = sub.add_parser("serve", help="streaming clients against a running `engine.py serve`: TTFT, ITL, tok/s",
+                        description="The client side of a serving benchmark: --clients concurrent streaming clients "
+                                    "send --requests completions of random token-id prompts (outputs ignore EOS) to "
+                                    "a server started separately, e.g. `python engine.py serve --config llama3-8b "
+                                    "--max-batch 64`. Reports TTFT and inter-token latency percentiles, output "
+                                    "tokens/s and requests/s.")
+    sv.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    sv.add_argument("--model", default=None, help="model id to send (default: the first of GET /v1/models)")
+    sv.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    sv.add_argument("--clients", type=int, default=64, help="concurrent streaming clients (default 64)")
+    sv.add_argument("--requests", type=int, default=256, help="requests in all (default 256)")
+    sv.add_argument("--prompt-len", default="128:1024", metavar="LO:HI", help="prompt tokens, uniform (default 128:1024)")
+    sv.add_argument("--output-len", default="64:256", metavar="LO:HI", help="output tokens, uniform (default 64:256)")
+    sv.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this (default 32000)")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
+                    help="also send one prompt this long --long-after seconds in, and report the other streams' "
+                         "gaps while it is prefilled (0 = off)")
+    sv.add_argument("--long-after", type=float, default=2.0, metavar="SECONDS")
+    sv.add_argument("--label", default=None, help="a name for this run in the table and JSON (e.g. the server's --kv)")
+    sv.add_argument("--json", default=None, help="append results as JSON lines to this file")
+    sv.add_argument("--plot", default=None, help="write a PNG of the TTFT and ITL distributions here")
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.command != "quality" and not torch.cuda.is_available():
+    if args.command not in ("quality", "serve") and not torch.cuda.is_available():
         raise SystemExit(f"error: bench.py {args.command} needs a CUDA GPU")
     commands = {"quality": cmd_quality, "speed": cmd_speed, "capacity": cmd_capacity, "kernels": cmd_kernels,
-                "matmul": cmd_matmul}
+                "matmul": cmd_matmul, "serve": cmd_serve}
     try:
         commands[args.command](args)
     except (ValueError, FileNotFoundError) as e:
