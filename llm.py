@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -174,17 +175,17 @@ class LLM:
             self.waiting.popleft()
             req.slot = slot
             self.prefilling.append(req)
-        budget = self.config.prefill_chunk or None  # prompt tokens this step may prefill (None: all)
-        while self.prefilling and (budget is None or budget > 0):
+        prefill_left = self.config.prefill_chunk or math.inf  # prompt tokens this step may prefill
+        while self.prefilling and prefill_left > 0:
             req = self.prefilling[0]
             start = req.n_prefilled
-            n = len(req.prompt_ids) - start if budget is None else min(budget, len(req.prompt_ids) - start)
+            n = min(prefill_left, len(req.prompt_ids) - start)
             last = start + n == len(req.prompt_ids)
             self._in_flight.append(self.runner.prefill(req, req.slot, req.prompt_ids[start:start + n],
                                                          sample_next=last))
             req.n_prefilled += n
             self.timing["prefill_tokens"] += n
-            budget = None if budget is None else budget - n
+            prefill_left -= n
             if last:  # its first token is sampled: it decodes from the next step
                 self.prefilling.popleft()
                 req.n_sampled = 1

@@ -224,7 +224,7 @@ class KVCache:
         dk, dv = self.dense_k[layer], self.dense_v[layer]
         keys, values = [dk[slot, :, :n_sink]], [dv[slot, :, :n_sink]]
         if n_pages:
-            ids = to_device(self._pages[slot][:n_pages], self.device)
+            ids = self.page_table[slot, :n_pages].long()
             for out, codec, pages in ((keys, fmt.k, self.k_pages[layer]), (values, fmt.v, self.v_pages[layer])):
                 x = codec.decode({name: f[ids] for name, f in pages.items()})  # [P, H, 128, D]
                 out.append(fmt.unrotate(x.transpose(0, 1).reshape(self.n_kv_heads, n_pages * PAGE_TOKENS, -1)))
