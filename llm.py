@@ -34,8 +34,7 @@ from typing import Callable
 import torch
 
 import loading
-import quant
-from config import EngineConfig
+from config import EngineConfig, kv_format
 from kvcache import KVCache
 from model import Transformer
 from runner import Launched, ModelRunner
@@ -86,7 +85,7 @@ class LLM:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.eos_ids = tokenizer.eos_ids if tokenizer else set()
         mc = model.config
-        fmt = quant.get_format(config.kv, **({"plan": config.kv_plan} if config.kv_plan else {}))
+        fmt = kv_format(config.kv, config.kv_plan)
         budget = None
         if config.num_pages is None:
             budget = int(config.kv_budget_gb * 2**30) if config.kv_budget_gb else default_kv_budget(self.device)

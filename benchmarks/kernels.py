@@ -20,7 +20,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 import quant
 from config import EngineConfig
 from kernels import Tiers, attention, quantize
-from kvcache.tiers import tier_counts
+from kvcache.tiers import Window, tier_counts
 from quant import PAGE_TOKENS
 
 
@@ -48,7 +48,7 @@ def attention_inputs(kv: str, batch: int, context: int, q_heads: int = 32, kv_he
     gen = torch.Generator(device).manual_seed(seed)
     preset = quant.get_format(kv)
     fmt = preset.for_layer(0)
-    n_sink, n_pages, n_recent = tier_counts(context, preset.sink_tokens(sink), window)
+    n_sink, n_pages, n_recent = tier_counts(context, preset.sink_tokens(sink), Window(window))
     total = max(1, batch * n_pages)
     k_pages = _pool(fmt.k, total, kv_heads, head_dim, device, gen)
     v_pages = _pool(fmt.v, total, kv_heads, head_dim, device, gen)

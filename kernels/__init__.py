@@ -84,12 +84,13 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
 
 
 def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor,
-                 backend: str | None = None) -> None:
-    """Encode tiles x [N, H, T, D] with `codec` into pool pages page_ids [N], in place."""
+                 backend: str | None = None, query_weight: Tensor | None = None) -> None:
+    """Encode tiles x [N, H, T, D] with `codec` into pool pages page_ids [N], in place.
+    query_weight [N, H, D]: the mean |q| per channel, for a codec that needs_queries."""
     if pick_backend(x.device, backend) == "torch":
-        reference.encode_pages_reference(codec, x, pool_fields, page_ids)
+        reference.encode_pages_reference(codec, x, pool_fields, page_ids, query_weight)
     else:
-        _triton_module("quantize", x.device).encode_pages(codec, x, pool_fields, page_ids)
+        _triton_module("quantize", x.device).encode_pages(codec, x, pool_fields, page_ids, query_weight)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str | None = None) -> Tensor:

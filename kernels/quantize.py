@@ -101,7 +101,7 @@ def _imbalance(z, valid, T: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _encode_kernel(
-    X, PAGE_IDS, HAD, MIDS, CODES, SCALE, ZERO, MULT, HIGH, IDS,
+    X, PAGE_IDS, HAD, MIDS, QW, CODES, SCALE, ZERO, MULT, HIGH, IDS,
     sx_n, sx_h, sx_t,
     H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr,
     ROWS_PAD: tl.constexpr, ROTATE: tl.constexpr, SINKHORN: tl.constexpr, SCORE: tl.constexpr,
@@ -186,13 +186,12 @@ def _encode_kernel(
             levels = tl.full([1, 1, D], (1 << BITS) - 1, tl.float32)
             if N_HIGH > 0:
                 # Kitty: rank channels by score (rank = how many beat it; ties by channel id), top N_HIGH get 4 bits
-                xv = tl.where(valid, x, 0.0)
                 if SCORE == 0:  # mean |x|
-                    score = tl.sum(tl.sum(tl.abs(xv), 0), 0) / T
-                else:  # unbiased variance
-                    mean = tl.sum(tl.sum(xv, 0), 0) / T
-                    dev = tl.where(valid, x - mean[None, None, :], 0.0)
-                    score = tl.sum(tl.sum(dev * dev, 0), 0) / (T - 1)
+                    score = tl.sum(tl.sum(tl.abs(tl.where(valid, x, 0.0)), 0), 0) / T
+                elif SCORE == 1:  # range over the page's tokens
+                    score = hi - lo
+                else:  # q-aware: range x the mean |q| of the channel, QW [N, H, D]
+                    score = (hi - lo) * tl.load(QW + (n * H + h) * D + c)
                 other = score[None, :]
                 mine = score[:, None]
                 beats = (other > mine) | ((other == mine) & (c[None, :] < c[:, None]))
@@ -232,9 +231,11 @@ def _constants(device: torch.device, head_dim: int) -> tuple[Tensor, Tensor]:
     return hadamard(head_dim).to(device), mids.to(device)
 
 
-def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor) -> None:
+def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor,
+                 query_weight: Tensor | None = None) -> None:
     """Encode tiles x [N, H, T, D] (any float dtype, unit last stride) with `codec` into pool
-    pages page_ids [N] (int), in place: pool_fields[name] is [num_pages, *field_shape]."""
+    pages page_ids [N] (int), in place: pool_fields[name] is [num_pages, *field_shape].
+    query_weight [N, H, D]: the mean |q| per channel, for a codec that needs_queries."""
     N, H, T, D = x.shape
     if N == 0:
         return
@@ -243,10 +244,13 @@ def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Ten
     lay = codec.kernel_layout(H, D, T)
     if lay.encode_unsupported:
         raise ValueError(lay.encode_unsupported)
+    if codec.needs_queries:  # no queries: every channel weighs the same, as in quant
+        query_weight = (torch.ones(N, H, D, device=x.device) if query_weight is None
+                         else query_weight.float().contiguous())
     slots = -(-T // lay.rows)
     had, mids = _constants(x.device, D)
     _encode_kernel[(N, H)](
-        x, page_ids, had, mids, **lay.pointers(pool_fields, ""),
+        x, page_ids, had, mids, query_weight if codec.needs_queries else had, **lay.pointers(pool_fields, ""),
         sx_n=x.stride(0), sx_h=x.stride(1), sx_t=x.stride(2),
         H=H, D=D, T=T, SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots),
         ROWS_PAD=triton.next_power_of_2(lay.rows), ROTATE=lay.rotate, SINKHORN=lay.sinkhorn_iters,

@@ -167,9 +167,10 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, window, q.device, keys=S), enable_gqa=True)
 
 
-def encode_pages_reference(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor) -> None:
+def encode_pages_reference(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor,
+                           query_weight: Tensor | None = None) -> None:
     """Encode N tiles x [N, H, T, D] with the torch codec and write them to pool pages page_ids [N]."""
-    fields = codec.encode(x)
+    fields = codec.encode(x, query_weight) if codec.needs_queries else codec.encode(x)
     for name, dst in pool_fields.items():
         dst[page_ids.long()] = fields[name].to(dst.dtype)
 

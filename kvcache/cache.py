@@ -5,9 +5,10 @@
     recent  the newest `window` .. `window`+127 tokens, full precision
 
 Tokens enter at the end. When the recent tier reaches window + 128 tokens its oldest 128 are
-encoded into one page (once every 128 decode steps), so a page never changes after it is
+encoded into one page (once every 128 decode steps; a window that is a share of the context,
+KVmix's, grows meanwhile, so its layers flush less often), so a page never changes after it is
 written. The sink and the recent tier of a sequence are two views of one dense buffer per
-layer, [slots, kv_heads, sink + window + 128, head_dim]. Pages come from a pool sized from a
+layer, [slots, kv_heads, sink + longest window + 128, head_dim]. Pages come from a pool sized from a
 memory budget with the format's real bytes per page; page j of a sequence holds its tokens
 sink + 128 j .. sink + 128 j + 127 in every layer, so one page table serves all layers, even
 when layers keep windows of different lengths (KVmix).
@@ -26,7 +27,7 @@ import torch
 
 import kernels
 from kvcache.pool import PagePool
-from kvcache.tiers import CacheShape, tier_counts
+from kvcache.tiers import CacheShape, Window, pages_for, tier_counts
 from quant import PAGE_TOKENS, KVFormat
 
 
@@ -54,13 +55,17 @@ class KVCache:
         sink / window: the full-precision tiers (a format may keep its own sink). backend:
         kernels' backend (None: Triton on CUDA, the torch reference elsewhere)."""
         self.fmt = fmt
-        self.shape = CacheShape.of(fmt, n_layers, n_kv_heads, head_dim, sink, window, dtype)
+        self.shape = CacheShape.of(fmt, n_layers, n_kv_heads, head_dim, sink, window, max_seq_len, dtype)
         self.formats, self.windows, self.sink = self.shape.formats, self.shape.windows, self.shape.sink
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.max_seqs, self.max_seq_len = max_seqs, max_seq_len
         self.sliding_window = sliding_window
         self.device, self.dtype = torch.device(device), dtype
         self.backend = backend
+        if kernels.pick_backend(self.device, backend) == "triton":  # refuse now, not at the first page
+            for codec in {c for f in self.formats for c in (f.k, f.v)}:
+                if reason := codec.kernel_layout(n_kv_heads, head_dim).encode_unsupported:
+                    raise ValueError(f"{reason}: run it with --backend torch")
         if num_pages is None:
             num_pages = self.shape.pages_in_budget(budget_bytes, max_seqs)
         self.pool = PagePool(num_pages)
@@ -73,11 +78,15 @@ class KVCache:
         self.dense_v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
         self.k_pages = [_alloc_fields(f.k, num_pages, n_kv_heads, head_dim, self.device) for f in self.formats]
         self.v_pages = [_alloc_fields(f.v, num_pages, n_kv_heads, head_dim, self.device) for f in self.formats]
+        # Kitty's q-aware score ranks key channels by |q| as well: per layer, a running mean |q|
+        # per slot and kv-head channel (only for formats that ask for it)
+        self._query_weight = ([torch.zeros(max_seqs + 1, n_kv_heads, head_dim, device=self.device) for _ in range(n_layers)]
+                              if any(f.k.needs_queries for f in self.formats) else None)
         self.max_pages_per_seq = self.pages_needed(max_seq_len)
         self.page_table = torch.zeros(max_seqs + 1, max(1, self.max_pages_per_seq), dtype=torch.int32, device=self.device)
         # Per-step inputs of the attention live in fixed buffers, so that a captured CUDA graph
         # replays a decode step once prepare_step has refreshed them.
-        self._window_row = {R: i for i, R in enumerate(sorted(set(self.windows)))}
+        self._window_row = {w: i for i, w in enumerate(sorted(set(self.windows)))}
         self._step_slots = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self._step_counts = torch.zeros(len(self._window_row), len(StepCounts._fields), max_seqs, dtype=torch.int32,
                                         device=self.device)
@@ -182,8 +191,8 @@ class KVCache:
         the step's tokens (scratch rows stay empty). Returns the new tokens' positions [rows, n_new]."""
         step = self._step
         lengths = self._seq_lens[step.slots_t]
-        for R, i in self._window_row.items():
-            step.counts[i] = _step_counts(lengths, self.sink, R, step.n_new)
+        for window, i in self._window_row.items():
+            step.counts[i] = _step_counts(lengths, self.sink, window, step.n_new)
         live = step.slots_t != self.scratch_slot
         self._seq_lens[step.slots_t] = lengths + live * step.n_new
         return lengths[:, None] + torch.arange(step.n_new, device=self.device)
@@ -198,6 +207,8 @@ class KVCache:
         [B, H, T, D] (causal among the T new tokens). Stores k and v for end_step."""
         step = self._step
         scale = q.shape[-1] ** -0.5
+        if self._query_weight is not None:
+            self._track_queries(layer, q)
         counts = StepCounts(*step.counts[self._window_row[self.windows[layer]]])
         if step.n_new == 1:
             # The kernels read the new token from the recent tier, so it is written first.
@@ -216,6 +227,14 @@ class KVCache:
         return torch.cat([kernels.causal_attention(q[row:row + 1], *self._stored_then(layer, s, k[row], v[row]),
                                                    self.sliding_window) for row, s in enumerate(step.slots)])
 
+    def _track_queries(self, layer: int, q: torch.Tensor) -> None:
+        """Update the rows' mean |q| per kv-head channel: a block sets it to the block's mean, a
+        decode step moves it 1/128 of the way (a page's worth of steps)."""
+        B, Hq, T, D = q.shape
+        new = q.detach().float().abs().view(B, self.n_kv_heads, Hq // self.n_kv_heads, T, D).mean((2, 3))
+        w, rows = self._query_weight[layer], self._step.slots_t
+        w[rows] = new if T > 1 else w[rows] + (new - w[rows]) / PAGE_TOKENS
+
     def _stored_then(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [1, H, L + T, D] of a slot's L stored tokens (sink, decoded pages,
         recent) followed by the step's new k, v [H, T, D], in the dtype of k."""
@@ -227,7 +246,7 @@ class KVCache:
             ids = self.page_table[slot, :n_pages].long()
             for out, codec, pages in ((keys, fmt.k, self.k_pages[layer]), (values, fmt.v, self.v_pages[layer])):
                 x = codec.decode({name: f[ids] for name, f in pages.items()})  # [P, H, 128, D]
-                out.append(fmt.unrotate(x.transpose(0, 1).reshape(self.n_kv_heads, n_pages * PAGE_TOKENS, -1)))
+                out.append(codec.unrotate(x.transpose(0, 1).reshape(self.n_kv_heads, n_pages * PAGE_TOKENS, -1)))
         keys.append(dk[slot, :, S:S + n_recent])
         values.append(dv[slot, :, S:S + n_recent])
         return (torch.cat([*(t.to(k.dtype) for t in keys), k], dim=1)[None],
@@ -245,7 +264,7 @@ class KVCache:
         step, self._step = self._step, None
         if step.n_new == 1:
             # Which rows flush depends only on the window, so decide once per distinct window.
-            flushing = {R: self._rows_to_flush(step.slots, R) for R in self._window_row}
+            flushing = {w: self._rows_to_flush(step.slots, w) for w in self._window_row}
             for layer in range(self.n_layers):
                 if flushing[self.windows[layer]]:
                     self._flush_decode(layer, flushing[self.windows[layer]])
@@ -255,26 +274,27 @@ class KVCache:
         for s in step.slots:
             self._lengths[s] += step.n_new
 
-    def _rows_to_flush(self, slots: list[int], window: int) -> list[tuple[int, int]]:
-        """(slot, index of its next page) of each row whose recent tier this decode step filled
-        to window + 128 tokens."""
+    def _rows_to_flush(self, slots: list[int], window: Window) -> list[tuple[int, int, int]]:
+        """(slot, index of its next page, recent tokens left after the flush) of each row whose
+        recent tier this decode step filled to its window + 128 tokens."""
         full = []
         for s in slots:
             L = self._lengths[s]
-            if L >= self.sink:  # the step's token went to the recent tier, not the sink
-                _, n_pages, n_recent = tier_counts(L, self.sink, window)
-                if n_recent + 1 == window + PAGE_TOKENS:
-                    full.append((s, n_pages))
+            n_pages = pages_for(L, self.sink, window)
+            if pages_for(L + 1, self.sink, window) > n_pages:
+                full.append((s, n_pages, window.at(L)))
         return full
 
-    def _flush_decode(self, layer: int, full: list[tuple[int, int]]) -> None:
+    def _flush_decode(self, layer: int, full: list[tuple[int, int, int]]) -> None:
         """Encode the oldest 128 recent tokens of these rows into their next pages."""
-        R, S = self.windows[layer], self.sink
-        rows = to_device([s for s, _ in full], self.device)
-        page_ids = [self._pages[s][n] for s, n in full]
+        S = self.sink
+        rows = to_device([s for s, _, _ in full], self.device)
+        page_ids = [self._pages[s][n] for s, n, _ in full]
         dk, dv = self.dense_k[layer], self.dense_v[layer]
-        self._write_pages(layer, dk[rows, :, S:S + PAGE_TOKENS], dv[rows, :, S:S + PAGE_TOKENS], page_ids)
-        # Shift the remaining R tokens to the front of the recent tier.
+        self._write_pages(layer, dk[rows, :, S:S + PAGE_TOKENS], dv[rows, :, S:S + PAGE_TOKENS], page_ids, rows)
+        # Shift the remaining tokens to the front of the recent tier (the most any row keeps:
+        # rows that keep fewer copy a few stale tokens past their end, which nothing reads).
+        R = max(left for _, _, left in full)
         dk[rows, :, S:S + R] = dk[rows, :, S + PAGE_TOKENS:S + PAGE_TOKENS + R]
         dv[rows, :, S:S + R] = dv[rows, :, S + PAGE_TOKENS:S + PAGE_TOKENS + R]
 
@@ -282,31 +302,35 @@ class KVCache:
         """Place T new tokens per row: fill the sink, then append to the recent tier, encoding
         the oldest full pages until at most window + 127 tokens stay unencoded."""
         k_new, v_new = step.pending.pop(layer)
-        R, S = self.windows[layer], self.sink
+        window, S = self.windows[layer], self.sink
         dk, dv = self.dense_k[layer], self.dense_v[layer]
         T = k_new.shape[2]
         for row, s in enumerate(step.slots):
             L = self._lengths[s]
-            _, n_pages, n_recent = tier_counts(L, S, R)
+            _, n_pages, n_recent = tier_counts(L, S, window)
             to_sink = max(0, min(S - L, T))
             dk[s, :, L:L + to_sink] = k_new[row, :, :to_sink].to(self.dtype)
             dv[s, :, L:L + to_sink] = v_new[row, :, :to_sink].to(self.dtype)
             tail_k = torch.cat([dk[s, :, S:S + n_recent], k_new[row, :, to_sink:].to(self.dtype)], dim=1)
             tail_v = torch.cat([dv[s, :, S:S + n_recent], v_new[row, :, to_sink:].to(self.dtype)], dim=1)
-            n_full = max(0, (tail_k.shape[1] - R) // PAGE_TOKENS)
+            n_full = pages_for(L + T, S, window) - n_pages
             if n_full:
                 H, D = self.n_kv_heads, self.head_dim
                 tiles_k = tail_k[:, : n_full * PAGE_TOKENS].reshape(H, n_full, PAGE_TOKENS, D).transpose(0, 1)
                 tiles_v = tail_v[:, : n_full * PAGE_TOKENS].reshape(H, n_full, PAGE_TOKENS, D).transpose(0, 1)
-                self._write_pages(layer, tiles_k, tiles_v, self._pages[s][n_pages:n_pages + n_full])
+                self._write_pages(layer, tiles_k, tiles_v, self._pages[s][n_pages:n_pages + n_full],
+                                  to_device([s] * n_full, self.device))
             keep = tail_k.shape[1] - n_full * PAGE_TOKENS
             dk[s, :, S:S + keep] = tail_k[:, n_full * PAGE_TOKENS:]
             dv[s, :, S:S + keep] = tail_v[:, n_full * PAGE_TOKENS:]
 
-    def _write_pages(self, layer: int, k_tiles: torch.Tensor, v_tiles: torch.Tensor, page_ids: list[int]) -> None:
+    def _write_pages(self, layer: int, k_tiles: torch.Tensor, v_tiles: torch.Tensor, page_ids: list[int],
+                     slots: torch.Tensor) -> None:
+        """Encode tiles [N, H, 128, D] of these slots [N] into these pages."""
         ids = to_device(page_ids, self.device)
         fmt = self.formats[layer]
-        kernels.encode_pages(fmt.k, k_tiles, self.k_pages[layer], ids, backend=self.backend)
+        query_weight = self._query_weight[layer][slots] if self._query_weight is not None else None
+        kernels.encode_pages(fmt.k, k_tiles, self.k_pages[layer], ids, backend=self.backend, query_weight=query_weight)
         kernels.encode_pages(fmt.v, v_tiles, self.v_pages[layer], ids, backend=self.backend)
 
     # ---- reporting -------------------------------------------------------------------------
@@ -319,11 +343,11 @@ class KVCache:
         token_bytes = 2 * H * D * self.dtype.itemsize  # K and V of one token in a dense tier
         live = lengths if lengths is not None else [self._lengths[s] for s, p in enumerate(self._pages) if p is not None]
         layers = []
-        for layer, (fmt, R) in enumerate(zip(self.formats, self.windows)):
+        for layer, (fmt, window) in enumerate(zip(self.formats, self.windows)):
             tiers = {"sink": 0, "pages": 0, "recent": 0}
             tokens = 0
             for L in live:
-                n_sink, n_pages, n_recent = tier_counts(L, S, R)
+                n_sink, n_pages, n_recent = tier_counts(L, S, window)
                 tiers["sink"] += n_sink * token_bytes
                 tiers["pages"] += n_pages * fmt.page_bytes(H, D)
                 tiers["recent"] += n_recent * token_bytes
@@ -362,13 +386,13 @@ class _Step:
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _step_counts(lengths: torch.Tensor, sink: int, window: int, n_new: int) -> torch.Tensor:
+def _step_counts(lengths: torch.Tensor, sink: int, window: Window, n_new: int) -> torch.Tensor:
     """StepCounts' fields x rows: what the attention of a step sees for rows of `lengths`
     stored tokens (the tensor form of tier_counts). A decode step's token (n_new == 1)
     is written before the attention: into the sink while it has room, else after the recent
     tier; a block's tokens are not stored yet."""
     n_sink = lengths.clamp(max=sink)
-    n_pages = (lengths - sink - window).clamp(min=0) // PAGE_TOKENS
+    n_pages = (lengths - sink - window.tokens_t(lengths)).clamp(min=0) // PAGE_TOKENS
     n_recent = lengths - n_sink - n_pages * PAGE_TOKENS
     in_sink = lengths < sink
     write_idx = torch.where(in_sink, lengths, sink + n_recent)

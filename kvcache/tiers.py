@@ -2,8 +2,10 @@
 
 A sequence of `length` tokens keeps its first `sink` tokens in full precision, every token past
 the sink and the recent window in whole 128-token pages, and the rest (window .. window + 127
-tokens once the sink is full) in the full-precision recent tier. The cache (cache.py) applies
-this rule, the benchmarks size pools with it, and the kernel bench builds its inputs from it.
+tokens once the sink is full) in the full-precision recent tier. A layer's window is a Window:
+a fixed number of tokens, or a share of the context where that is more (KVmix's recent pivotal
+context), so it can grow with the sequence. The cache (cache.py) applies this rule, the
+benchmarks size pools with it, and the kernel bench builds its inputs from it.
 """
 
 from __future__ import annotations
@@ -24,13 +26,36 @@ class TierCounts(NamedTuple):
     recent: int
 
 
-def pages_for(n_tokens: int, sink: int, window: int) -> int:
+@dataclass(frozen=True, order=True)
+class Window:
+    """The full-precision recent window of a layer: at least `tokens` tokens, and per_mille / 1000
+    of the context where that is more. Integer arithmetic, so that the host's flush decisions and
+    the device's tier counts (tokens_t) always agree."""
+
+    tokens: int
+    per_mille: int = 0
+
+    @classmethod
+    def of(cls, tokens: int, ratio: float = 0.0) -> Window:
+        return cls(tokens, round(ratio * 1000))
+
+    def at(self, length: int) -> int:
+        """The window of a sequence of `length` tokens."""
+        return max(self.tokens, length * self.per_mille // 1000)
+
+    def tokens_t(self, lengths: torch.Tensor) -> torch.Tensor:
+        """at() of a tensor of lengths, in device ops (a CUDA graph replays it)."""
+        return (lengths * self.per_mille // 1000).clamp(min=self.tokens)
+
+
+def pages_for(n_tokens: int, sink: int, window: Window) -> int:
     """Pages a sequence of n_tokens holds once flushed: everything past the sink and the window,
-    in whole pages."""
-    return max(0, (n_tokens - sink - window) // PAGE_TOKENS)
+    in whole pages. Never decreases as n_tokens grows (a window grows by less than a token per
+    token), so a decode step flushes at most one page."""
+    return max(0, (n_tokens - sink - window.at(n_tokens)) // PAGE_TOKENS)
 
 
-def tier_counts(length: int, sink: int, window: int) -> TierCounts:
+def tier_counts(length: int, sink: int, window: Window) -> TierCounts:
     """Where the tokens of a flushed sequence of `length` tokens sit."""
     n_sink = min(length, sink)
     n_pages = pages_for(length, sink, window)
@@ -40,22 +65,25 @@ def tier_counts(length: int, sink: int, window: int) -> TierCounts:
 @dataclass(frozen=True)
 class CacheShape:
     """The geometry a cache is sized from: the model's KV shape, one format per layer, the sink
-    and each layer's recent window, and the dtype of the full-precision tiers."""
+    and each layer's recent window, the longest sequence, and the dtype of the full-precision tiers."""
 
     n_kv_heads: int
     head_dim: int
     formats: tuple[KVFormat, ...]  # one per layer
     sink: int
-    windows: tuple[int, ...]  # one per layer
+    windows: tuple[Window, ...]  # one per layer
+    max_seq_len: int
     dtype: torch.dtype
 
     @classmethod
     def of(cls, fmt: KVFormat, n_layers: int, n_kv_heads: int, head_dim: int, sink: int, window: int,
-           dtype: torch.dtype) -> CacheShape:
-        """The shape a format gives a model: its per-layer formats and windows, and its own sink
-        where it has one (a format published without sink tokens keeps none)."""
-        return cls(n_kv_heads, head_dim, tuple(fmt.layer_formats(n_layers)), fmt.sink_tokens(sink),
-                   tuple(fmt.layer_windows(window, n_layers)), dtype)
+           max_seq_len: int, dtype: torch.dtype) -> CacheShape:
+        """The shape a format gives a model: its per-layer formats and windows (`window` tokens,
+        or the format's share of the context where that is more), and its own sink where it has
+        one (a format published without sink tokens keeps none)."""
+        windows = tuple(Window.of(window, ratio) for ratio in fmt.window_ratios(n_layers))
+        return cls(n_kv_heads, head_dim, tuple(fmt.layer_formats(n_layers)), fmt.sink_tokens(sink), windows,
+                   max_seq_len, dtype)
 
     @property
     def n_layers(self) -> int:
@@ -63,8 +91,9 @@ class CacheShape:
 
     @property
     def dense_tokens(self) -> int:
-        """Tokens of a slot's full-precision buffer: the sink, the longest window and one page."""
-        return self.sink + max(self.windows) + PAGE_TOKENS
+        """Tokens of a slot's full-precision buffer: the sink, the longest window a sequence
+        reaches, and one page."""
+        return self.sink + max(w.at(self.max_seq_len) for w in self.windows) + PAGE_TOKENS
 
     def slot_bytes(self) -> int:
         """Bytes of one sequence slot's full-precision sink and recent buffers, K and V, all layers."""
@@ -76,7 +105,7 @@ class CacheShape:
 
     def pages_needed(self, n_tokens: int) -> int:
         """Pages a sequence of n_tokens occupies at most (the layer with the shortest window)."""
-        return pages_for(n_tokens, self.sink, min(self.windows))
+        return max(pages_for(n_tokens, self.sink, w) for w in set(self.windows))
 
     def pages_in_budget(self, budget_bytes: int, max_seqs: int) -> int:
         """Pages that fit in a budget once max_seqs slots and the scratch slot have their

@@ -4,7 +4,7 @@ A TileCodec turns one page of keys or of values, x[..., H, T, D] (H kv heads, T 
 D head dim, any leading batch dims), into a dict of tensors of fixed shapes (its fields)
 and back. A KVFormat is a named pair of codecs, one for K and one for V, plus the page-level
 facts the cache needs: bytes per page, honest bits per element, the rotation applied to q and
-to the attention output for formats that store rotated K/V, and the format of a given layer.
+to the attention output where a codec stores rotated pages, and the format of a given layer.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .hadamard import fwht
 from .layout import Layout
 
 PAGE_TOKENS = 128  # tokens per page; also the group over which K is quantized per channel
@@ -30,6 +31,12 @@ class TileCodec(ABC):
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
         """Shape and dtype of every stored tensor of ONE page (no leading batch dims)."""
 
+    # True for a codec that stores x @ Hd (hadamard.py): decode gives the rotated values
+    rotated = False
+    # True for a codec whose encode also takes query_weight [..., H, D], the mean |q| per kv-head
+    # channel over recent steps, which the cache then keeps (Kitty's q-aware score)
+    needs_queries = False
+
     @abstractmethod
     def encode(self, x: Tensor) -> dict[str, Tensor]:
         """x [..., H, T, D] -> fields, each [..., *field_shape]."""
@@ -42,6 +49,10 @@ class TileCodec(ABC):
     @abstractmethod
     def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
         """How the kernels address this codec's page fields (layout.py), at these sizes."""
+
+    def unrotate(self, x: Tensor) -> Tensor:
+        """What decode gave, back in the original domain."""
+        return fwht(x).to(x.dtype) if self.rotated else x
 
     def nbytes(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> int:
         """Bytes one page stores: codes, scales, ids, everything."""
@@ -69,7 +80,6 @@ class Fp16Codec(TileCodec):
 class KVFormat:
     """A named (K codec, V codec) pair: what one page of one layer stores."""
 
-    rotated = False  # True where pages hold K @ Hd and V @ Hd instead of K and V (KVarN)
     # Full-precision sink tokens this format keeps: None = the cache's setting; 0 for a method as
     # published without sink tokens (e.g. KIVI).
     sink: int | None = None
@@ -90,9 +100,10 @@ class KVFormat:
         was made for that many layers)."""
         return [self.for_layer(i) for i in range(n_layers)]
 
-    def layer_windows(self, window: int, n_layers: int) -> list[int]:
-        """The recent window of every layer, given the cache's window; uniform formats use it everywhere."""
-        return [window] * n_layers
+    def window_ratios(self, n_layers: int) -> list[float]:
+        """Per layer, the share of the context it keeps in full precision where that is more than
+        the cache's recent window (KVmix); 0 = the window alone, as uniform formats do."""
+        return [0.0] * n_layers
 
     def page_bytes(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> int:
         """Bytes of one page: K and V of `tokens` tokens of all `heads` kv heads."""
@@ -102,13 +113,19 @@ class KVFormat:
         """Every stored bit of a page over its K and V elements (metadata included)."""
         return self.page_bytes(heads, head_dim, tokens) * 8 / (2 * heads * tokens * head_dim)
 
+    @property
+    def rotated(self) -> bool:
+        """True where the pages' keys or values are stored rotated (the attention then maps q
+        and its pages' output)."""
+        return self.k.rotated or self.v.rotated
+
     def rotate(self, x: Tensor) -> Tensor:
-        """Map q (along its last dim) into the domain the pages are stored in."""
-        return x
+        """Map q (along its last dim) into the domain the pages' keys are stored in."""
+        return fwht(x).to(x.dtype) if self.k.rotated else x
 
     def unrotate(self, x: Tensor) -> Tensor:
-        """Map an attention output over the pages back to the original domain."""
-        return x
+        """Map an attention output over the pages (the values' domain) back to the original one."""
+        return self.v.unrotate(x)
 
     def __repr__(self) -> str:
         return f"KVFormat({self.name!r}, k={self.k}, v={self.v})"

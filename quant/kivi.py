@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .base import PAGE_TOKENS, FieldSpecs, KVFormat, TileCodec
+from .hadamard import fwht
 from .layout import Layout
 from .rtn import dequantize, pack, packed_shape, quantize, unpack
 
@@ -52,10 +53,12 @@ class ChannelRTN(TileCodec):
 
 @dataclass(frozen=True)
 class TokenRTN(TileCodec):
-    """One (scale, zero) per token and group of `group` channels (None: the whole head dim)."""
+    """One (scale, zero) per token and group of `group` channels (None: the whole head dim).
+    rotated: quantize x @ Hd instead (hadamard.py; kitty-qh's values)."""
 
     bits: int
     group: int | None = None
+    rotated: bool = False
 
     def n_groups(self, head_dim: int) -> int:
         group = self.group or head_dim
@@ -69,6 +72,8 @@ class TokenRTN(TileCodec):
         return {"codes": ((heads, rows, head_dim), dtype), "scale": (groups, torch.float16), "zero": (groups, torch.float16)}
 
     def encode(self, x: Tensor) -> dict[str, Tensor]:
+        if self.rotated:
+            x = fwht(x)
         grouped = x.unflatten(-1, (self.n_groups(x.shape[-1]), -1))  # [..., H, T, D/G, G]
         codes, scale, zero = quantize(grouped, self.bits, dim=-1)
         return {"codes": pack(codes.flatten(-2), self.bits), "scale": scale, "zero": zero}
@@ -79,7 +84,8 @@ class TokenRTN(TileCodec):
         return dequantize(codes, scale, fields["zero"], dim=-1).flatten(-2)
 
     def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
-        return Layout.with_token_scales(self.bits, heads, head_dim, tokens, self.n_groups(head_dim), RTN_FIELDS)
+        return Layout.with_token_scales(self.bits, heads, head_dim, tokens, self.n_groups(head_dim), RTN_FIELDS,
+                                        rotate=self.rotated)
 
 
 def kivi_format(name: str, k_bits: int, v_bits: int, v_group: int | None = None, sink: int | None = None) -> KVFormat:

@@ -1,9 +1,8 @@
 """KVarN: rotate K and V with a Walsh-Hadamard matrix, balance the tile, then plain RTN.
 
-1. Rotation. Hd = the Sylvester Hadamard matrix of order D divided by sqrt(D): symmetric and
-   orthonormal, so Hd @ Hd = I. Pages store K @ Hd and V @ Hd; attention rotates q the same
-   way (q Hd . k Hd = q . k) and maps its output back with Hd (Hd^T = Hd). The rotation spreads
-   outlier channels over all channels. It is applied with the fast transform, O(D log D).
+1. Rotation (hadamard.py). Pages store K @ Hd and V @ Hd; attention rotates q the same way
+   (q Hd . k Hd = q . k) and maps its output back with Hd (Hd^T = Hd). The rotation spreads
+   outlier channels over all channels.
 2. Sinkhorn dual scaling per (head) tile y[T, D]: alternately divide columns, then rows, by
    their standard deviation, accumulating the scales in the log domain with every std clamped
    to [1e-3, 1e3]; after each round measure the imbalance (max/min std over columns plus
@@ -24,37 +23,17 @@ Presets: kvarn (K2V2) and kvarn-k4v2.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .base import PAGE_TOKENS, FieldSpecs, KVFormat, TileCodec
+from .hadamard import fwht, hadamard  # noqa: F401  (hadamard: the encode kernel's matrix)
 from .layout import Layout
 from .rtn import dequantize, pack, packed_shape, quantize, unpack
 
 STD_CLAMP = (1e-3, 1e3)
-
-
-def fwht(x: Tensor) -> Tensor:
-    """x @ Hd along the last dim (a power of 2), by log2(D) butterfly stages."""
-    d = x.shape[-1]
-    if d & (d - 1):
-        raise ValueError(f"Walsh-Hadamard rotation needs a power-of-2 head dim, got {d}")
-    y, h = x.float(), 1
-    while h < d:
-        # pair element i with i + h inside every block of 2h: (a, b) -> (a + b, a - b)
-        y = y.unflatten(-1, (d // (2 * h), 2, h))
-        a, b = y[..., 0, :], y[..., 1, :]
-        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
-        h *= 2
-    return y / math.sqrt(d)
-
-
-def hadamard(d: int) -> Tensor:
-    """The normalized Walsh-Hadamard matrix Hd (float32 [d, d])."""
-    return fwht(torch.eye(d))
 
 
 def _std(y: Tensor, dim: int) -> Tensor:
@@ -98,6 +77,7 @@ class KVarNCodec(TileCodec):
     bits: int
     per_channel: bool  # True for keys (RTN per channel, token scale stored), False for values
     iters: int = 8
+    rotated = True
 
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
         (rows, _), dtype = packed_shape(tokens, head_dim, self.bits)
@@ -138,15 +118,5 @@ class KVarNCodec(TileCodec):
         return Layout.with_token_scales(self.bits, heads, head_dim, tokens, 1, fields, mult_kind=2, **encode)
 
 
-class KVarNFormat(KVFormat):
-    rotated = True
-
-    def rotate(self, x: Tensor) -> Tensor:
-        return fwht(x).to(x.dtype)
-
-    def unrotate(self, x: Tensor) -> Tensor:
-        return fwht(x).to(x.dtype)  # Hd is symmetric and orthonormal: its inverse is itself
-
-
-def kvarn_format(name: str, k_bits: int, v_bits: int, iters: int = 8) -> KVarNFormat:
-    return KVarNFormat(name, KVarNCodec(k_bits, per_channel=True, iters=iters), KVarNCodec(v_bits, per_channel=False, iters=iters))
+def kvarn_format(name: str, k_bits: int, v_bits: int, iters: int = 8) -> KVFormat:
+    return KVFormat(name, KVarNCodec(k_bits, per_channel=True, iters=iters), KVarNCodec(v_bits, per_channel=False, iters=iters))

@@ -3,9 +3,17 @@
 Layers matter unequally: KVmix scores each layer by the L2 norm of the loss gradient with
 respect to its W_k and W_v, averaged over a few prompts, gives the top ~20% of layers more
 bits (default K3 for the top keys, V4 for the top values, K2/V2 elsewhere: about 2.2 / 2.4
-bits on average, as in the paper), and lets the more important layers keep a larger share of
-their newest tokens in FP16 (the recent window is a ratio of the tokens since the last
-flush, applied by the cache).
+bits on average, as in the paper), and keeps a share of every layer's context in FP16: its
+recent pivotal context, the newest window_ratio x length tokens (default 20% for the top
+layers by combined importance, 10% for the rest), so that it grows with the sequence. The
+cache applies it (kvcache/tiers.py Window), never below its recent window, and counts it in
+kv_stats().
+
+The reference code (LfLab-AI/KVmix) applies the ratio to the prompt at prefill, but at decode
+to its FP16 buffer only, flushing groups of 32 tokens; so from the first decode step its
+buffer stays at a few dozen tokens. Its perplexity is also scored with the prompt's attention
+on unquantized K/V. We keep the paper's rule (a share of the context), decode every token
+through the cache, and count the FP16 share in the bits we report.
 
 Layer i is stored exactly as KIVI with its bits (kivi.py): keys per channel, values per
 token; 3-bit codes go 10 to an int32 word (rtn.py), all 30 bits used for real 3-bit codes.
@@ -149,11 +157,10 @@ class KVmixFormat(KVFormat):
             )
         return list(self.layers)
 
-    def layer_windows(self, window: int, n_layers: int) -> list[int]:
-        """Layers get full-precision tokens in proportion to their window ratio: the layer of
-        the smallest ratio keeps `window`, the others window x ratio / smallest ratio."""
-        ratios = [p.window_ratio for p in self.plan.layers[:n_layers]]
-        return [round(window * r / min(ratios)) for r in ratios]
+    def window_ratios(self, n_layers: int) -> list[float]:
+        """Each layer's recent pivotal context: its plan's share of the context, kept in full
+        precision (the cache keeps at least its recent window)."""
+        return [p.window_ratio for p in self.plan.layers[:n_layers]]
 
     def page_bytes(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> int:
         """Mean over layers, rounded up (size the pool with for_layer(i).page_bytes)."""

@@ -50,7 +50,7 @@ class Layout:
     # encode only (attention ignores them)
     rotate: bool = False  # x @ Hd before anything else (KVarN)
     sinkhorn_iters: int = 0  # rounds of Sinkhorn balance, whose kept factor becomes mult (KVarN; 0: none)
-    channel_score: int = 0  # how n_high channels are ranked: 0 mean |x|, 1 unbiased variance
+    channel_score: int = 0  # how n_high channels are ranked: 0 mean |x|, 1 range (max - min), 2 range x mean |q|
     encode_unsupported: str = ""  # why the encode kernel cannot write these pages ("": it can)
 
     def __post_init__(self):

@@ -45,10 +45,17 @@ def capture(model: torch.nn.Module, ids: Tensor) -> list[tuple[Tensor, Tensor, T
     return captured
 
 
-def roundtrip(fmt: KVFormat, codec: TileCodec, x: Tensor) -> Tensor:
-    """x [H, L, D] (L a multiple of 128) through encode and decode, page by page."""
+def roundtrip(codec: TileCodec, x: Tensor, q: Tensor) -> Tensor:
+    """x [H, L, D] (L a multiple of 128) through encode and decode, page by page; a codec that
+    ranks by the queries gets the mean |q| of each page's own queries (q [Hq, L, D])."""
     pages = x.unflatten(1, (-1, PAGE_TOKENS)).transpose(0, 1)  # [pages, H, 128, D]
-    return fmt.unrotate(codec.decode(codec.encode(pages))).transpose(0, 1).flatten(1, 2)
+    if codec.needs_queries:
+        H, (Hq, L, D) = x.shape[0], q.shape
+        weight = q.abs().view(H, Hq // H, L // PAGE_TOKENS, PAGE_TOKENS, D).mean((1, 3)).transpose(0, 1)
+        fields = codec.encode(pages, weight)
+    else:
+        fields = codec.encode(pages)
+    return codec.unrotate(codec.decode(fields)).transpose(0, 1).flatten(1, 2)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -64,7 +71,7 @@ def measure(fmt: KVFormat, captured: list[tuple[Tensor, Tensor, Tensor]]) -> dic
     rows = []
     for layer, (q, k, v) in enumerate(captured):
         f = fmt.for_layer(layer)
-        k_hat, v_hat = roundtrip(f, f.k, k), roundtrip(f, f.v, v)
+        k_hat, v_hat = roundtrip(f.k, k, q), roundtrip(f.v, v, q)
         p, o = attention(q, k, v)
         p_hat, o_hat = attention(q, k_hat, v_hat)
         rows.append((

@@ -146,7 +146,7 @@ def test_reference_matches_naive_attention(name: str, queries: int, window: int 
     for b in range(len(n_sink)):
         ids = c["page_table"][b, : n_pages[b]].long()
         # decoded pages back in the original domain (KVarN stores x @ Hd), in position order
-        k_pg, v_pg = (fmt.unrotate(codec.decode({n: f[ids] for n, f in pages.items()})).transpose(0, 1)
+        k_pg, v_pg = (codec.unrotate(codec.decode({n: f[ids] for n, f in pages.items()})).transpose(0, 1)
                       for codec, pages in ((fmt.k, c["k_pages"]), (fmt.v, c["v_pages"])))
         k_pg, v_pg = k_pg.reshape(H, -1, D), v_pg.reshape(H, -1, D)
         k = torch.cat((c["sink_k"][b, :, : n_sink[b]].float(), k_pg, c["recent_k"][b, :, : n_recent[b]].float()), 1)
@@ -236,14 +236,15 @@ def test_split_count_does_not_change_the_result(window, lse, short_pages, monkey
 
 
 ENCODE_FORMATS = ["fp16", "kivi-k2v2", "kivi-k4v4", "kivi-k2v2:v_group=16", "kitty", "kitty-pro",
-                  "kitty:score=variance", "kvarn", "kvarn-k4v2", "nqkv", "nqkv:block=32", "kvmix:3v3", "kvmix:4v2"]
+                  "kitty:score=range", "kitty:score=q-aware", "kitty-qh", "kvarn", "kvarn-k4v2", "nqkv", "nqkv:block=32", "kvmix:3v3", "kvmix:4v2"]
 
 
 @pytest.mark.parametrize("name", ENCODE_FORMATS)
 @pytest.mark.parametrize("side", ["k", "v"])
 def test_triton_encode_matches_reference(name: str, side: str):
-    """Pages written in place equal quant's torch encode bit for bit; KVarN (whose Sinkhorn
-    exp/log may round differently) is compared on decoded values instead."""
+    """Pages written in place equal quant's torch encode bit for bit; rotated codecs (KVarN, whose
+    Sinkhorn exp/log may round differently, and kitty-qh's values: the kernel rotates by a matmul,
+    quant by butterflies) are compared on decoded values instead."""
     gen = torch.Generator().manual_seed(3)
     fmt = get_format(name)
     codec = getattr(fmt, side)
@@ -261,9 +262,11 @@ def test_triton_encode_matches_reference(name: str, side: str):
 
     want = poisoned_pool()
     got = {f: t.clone() for f, t in want.items()}  # the same garbage outside the written pages
-    reference.encode_pages_reference(codec, x, want, page_ids)
-    quantize.encode_pages(codec, x, got, page_ids)
-    if not isinstance(codec, quant.kvarn.KVarNCodec):
+    # q-aware Kitty: a mean |q| per channel that disagrees with the keys' own ranking
+    query_weight = torch.rand(n, heads, head_dim, generator=gen).to(DEVICE) if codec.needs_queries else None
+    reference.encode_pages_reference(codec, x, want, page_ids, query_weight)
+    quantize.encode_pages(codec, x, got, page_ids, query_weight)
+    if not codec.rotated:
         for f in specs:
             where = (got[f] != want[f]).nonzero().tolist()[:8]
             assert torch.equal(got[f], want[f]), f"{name} {side}: field {f} differs at {where}"

@@ -39,7 +39,7 @@ def rel_mse(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 def roundtrip(fmt: quant.KVFormat, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reconstructed K and V in the original domain."""
-    return fmt.unrotate(fmt.k.decode(fmt.k.encode(k))), fmt.unrotate(fmt.v.decode(fmt.v.encode(v)))
+    return fmt.k.unrotate(fmt.k.decode(fmt.k.encode(k))), fmt.v.unrotate(fmt.v.decode(fmt.v.encode(v)))
 
 
 # ---- packing ------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_kvarn_dual_scaling_helps():
     v = fwht(torch.randn(2, 128, 64, generator=g) * torch.exp(1.5 * torch.randn(2, 1, 64, generator=g)))
     balanced, plain = quant.get_format("kvarn"), quant.get_format("kvarn", iters=0)
     for codec, x in (("k", k), ("v", v)):
-        errs = [rel_mse(f.unrotate(getattr(f, codec).decode(getattr(f, codec).encode(x))), x) for f in (balanced, plain)]
+        errs = [rel_mse(getattr(f, codec).unrotate(getattr(f, codec).decode(getattr(f, codec).encode(x))), x) for f in (balanced, plain)]
         assert errs[0] < 0.5 * errs[1], (codec, errs)
 
 
@@ -199,11 +199,17 @@ def test_kitty_boosts_exactly_the_top_channels(preset, nb):
     assert (err[~boosted] > torch.where(boosted, rng / 15, rng / 3)[~boosted] / 2 / 5).any()  # really 2-bit
 
 
-def test_kitty_variance_score():
-    k = torch.randn(1, 1, 128, 64) + torch.linspace(0, 50, 64)  # big means, unit variance
-    k[..., 5] *= 3
-    codec = quant.get_format("kitty", score="variance").k
-    assert int(codec.encode(k)["ids"][0, 0, 0]) == 5
+def test_kitty_channel_scores():
+    """Each score boosts the channel it is about: range, the widest (not the largest magnitude);
+    q-aware, the one whose range times |q| is largest; magnitude, the largest mean |K|."""
+    k = torch.randn(1, 1, 128, 64) * 0.1 + torch.linspace(0, 50, 64)  # big means, small spread
+    k[..., 5] += torch.linspace(-4, 4, 128)  # the widest channel, small mean
+    top = {score: int(quant.get_format("kitty", score=score).k.encode(k, **extra)["ids"][0, 0, 0])
+           for score, extra in [("magnitude", {}), ("range", {}),
+                                ("q-aware", {"query_weight": torch.ones(1, 1, 64).index_fill_(-1, torch.tensor([9]), 1e3)})]}
+    assert top == {"magnitude": 63, "range": 5, "q-aware": 9}
+    no_queries = quant.get_format("kitty", score="q-aware").k.encode(k)  # ranks like range
+    assert torch.equal(no_queries["ids"], quant.get_format("kitty", score="range").k.encode(k)["ids"])
     with pytest.raises(ValueError):
         quant.get_format("kitty", score="bogus")
 
@@ -280,7 +286,7 @@ def test_roundtrip_shapes_dtypes_and_error(name, heads, head_dim):
             # loose bounds per width, tight enough to catch a scrambled layout (error ~1 or more)
             bits = codec.kernel_layout(heads, head_dim).bits  # the width of the (low) code plane
             bound = {16: 1e-6, 4: 0.02, 3: 0.08, 2: 0.35}[bits]
-            assert rel_mse(fmt.unrotate(y), x.float()) < bound, (fmt.name, codec)
+            assert rel_mse(codec.unrotate(y), x.float()) < bound, (fmt.name, codec)
 
 
 @pytest.mark.parametrize("name", quant.FORMAT_NAMES)
@@ -312,7 +318,7 @@ def test_other_page_lengths():
         for codec in (fmt.k, fmt.v):
             fields = codec.encode(x)
             assert {f: t.shape for f, t in fields.items()} == {f: s for f, (s, _) in codec.field_specs(2, 64, 64).items()}
-            assert rel_mse(fmt.unrotate(codec.decode(fields)), x) < 0.35
+            assert rel_mse(codec.unrotate(codec.decode(fields)), x) < 0.35
         stored = sum(t.numel() * t.element_size() for c in (fmt.k, fmt.v) for t in c.encode(x).values())
         assert fmt.bits_per_element(2, 64, tokens=64) * (2 * 2 * 64 * 64) / 8 == stored
     # 3-bit keys: ceil(T/10) word rows do not determine T, decode takes it (default: a full page)
@@ -355,8 +361,8 @@ def test_kvmix_plan_roundtrip(tmp_path):
     fmt = quant.get_format("kvmix", plan=str(path))
     layers = fmt.layer_formats(10)
     assert layers[7].k.bits == 3 and layers[7].v.bits == 4 and layers[0].k.bits == 2
-    # windows in proportion to the ratios: 0.1 keeps the cache's window, 0.2 twice it
-    assert fmt.layer_windows(8, 10) == [16 if p.window_ratio == 0.2 else 8 for p in plan.layers]
+    # the cache keeps 20% of the context in fp16 for the 2 layers of top combined importance, 10% elsewhere
+    assert sorted(fmt.window_ratios(10)) == [0.1] * 8 + [0.2] * 2
     assert kvmix.KVmixPlan.load(path) == plan
     per_layer = [fmt.for_layer(i).bits_per_element(3, 64) for i in range(10)]
     assert fmt.bits_per_element(3, 64) == pytest.approx(sum(per_layer) / 10)

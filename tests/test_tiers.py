@@ -45,8 +45,10 @@ LOGIT_ATOL = 1e-4  # fp32 model logits, same tokens and values, different op ord
 class TierRule:
     """The tier rule in plain python: which token positions sit in the sink, each page, the recent tier."""
 
-    def __init__(self, sink: int, window: int):
-        self.S, self.R = sink, window
+    def __init__(self, sink: int, window: int, per_mille: int = 0):
+        """window: recent tokens kept; per_mille: or that share of the sequence's length (in
+        thousandths, floored) where that is more: KVmix's recent pivotal context."""
+        self.S, self.R, self.per_mille = sink, window, per_mille
         self.sink: list[int] = []
         self.pages: list[list[int]] = []
         self.recent: list[int] = []
@@ -59,14 +61,14 @@ class TierRule:
         for _ in range(n):
             p = self.length
             (self.sink if len(self.sink) < self.S else self.recent).append(p)
-            if len(self.recent) == self.R + PAGE_TOKENS:
+            if len(self.recent) == max(self.R, self.length * self.per_mille // 1000) + PAGE_TOKENS:
                 self.pages.append(self.recent[:PAGE_TOKENS])
                 self.recent = self.recent[PAGE_TOKENS:]
 
 
-def round_trip(fmt: quant.KVFormat, codec: quant.TileCodec, x: torch.Tensor) -> torch.Tensor:
+def round_trip(codec: quant.TileCodec, x: torch.Tensor) -> torch.Tensor:
     """What a page gives back for the tile x [H, 128, D], in the original (un-rotated) domain."""
-    return fmt.unrotate(codec.decode(codec.encode(x)))
+    return codec.unrotate(codec.decode(codec.encode(x)))
 
 
 def effective_kv(fmt, k, v, pages, memo: dict, key) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +76,7 @@ def effective_kv(fmt, k, v, pages, memo: dict, key) -> tuple[torch.Tensor, torch
     k, v = k.clone(), v.clone()
     for group in pages:
         if (key, group[0]) not in memo:  # a page never changes: encode each group once
-            memo[key, group[0]] = round_trip(fmt, fmt.k, k[:, group]), round_trip(fmt, fmt.v, v[:, group])
+            memo[key, group[0]] = round_trip(fmt.k, k[:, group]), round_trip(fmt.v, v[:, group])
         k[:, group], v[:, group] = memo[key, group[0]]
     return k, v
 
@@ -129,11 +131,17 @@ class Seq:
     def __init__(self, cache: KVCache, n_tokens: int, seed: int):
         self.slot = cache.admit(n_tokens)
         assert self.slot is not None
-        self.rule = TierRule(cache.sink, cache.windows[0])
+        # one oracle per layer: KVmix layers keep different windows
+        self.rules = [TierRule(cache.sink, w.tokens, w.per_mille) for w in cache.windows]
         g = torch.Generator().manual_seed(seed)
         self.q = torch.randn(LAYERS, HQ, n_tokens, D, generator=g)
         self.k = torch.randn(LAYERS, H, n_tokens, D, generator=g)
         self.v = torch.randn(LAYERS, H, n_tokens, D, generator=g)
+
+    @property
+    def rule(self) -> TierRule:
+        """Layer 0's oracle (every layer's, for a uniform format)."""
+        return self.rules[0]
 
 
 def feed(cache: KVCache, seqs: list[Seq], n_new: int, fmt=None, memo=None) -> None:
@@ -147,41 +155,42 @@ def feed(cache: KVCache, seqs: list[Seq], n_new: int, fmt=None, memo=None) -> No
         q, k, v = (torch.stack([getattr(s, name)[layer, :, c] for s, c in zip(seqs, cols)]) for name in "qkv")
         out = cache.attend(layer, q, k, v)
         for row, (s, L) in enumerate(zip(seqs, starts) if fmt is not None else []):
-            k_eff, v_eff = effective_kv(fmt, s.k[layer, :, :L + n_new], s.v[layer, :, :L + n_new], s.rule.pages,
-                                        memo, (layer, s.slot))
+            k_eff, v_eff = effective_kv(fmt.for_layer(layer), s.k[layer, :, :L + n_new], s.v[layer, :, :L + n_new],
+                                        s.rules[layer].pages, memo, (layer, s.slot))
             expected = direct_attention(s.q[layer, :, cols[row]], k_eff, v_eff, L)
             where = f"{fmt.name}, slot {s.slot}, layer {layer}, tokens {L}..{L + n_new - 1}"
             torch.testing.assert_close(out[row].double(), expected, atol=ATTN_ATOL, rtol=0, msg=lambda m: f"{where}: {m}")
     cache.end_step()
     for s in seqs:
-        s.rule.add(n_new)
+        for rule in s.rules:
+            rule.add(n_new)
 
 
 def check_tiers(cache: KVCache, seqs: list[Seq]) -> None:
     """The cache's tier counts (kv_stats) and contents equal what the rule says, for every
     sequence and layer: the sink and recent buffers hold exactly the K/V of the rule's positions,
-    and each page decodes (fp16 format) to the fp16 K/V of its 128 positions."""
-    S, fmt = cache.sink, cache.formats[0]
+    and each page decodes to its 128 positions' K/V through the codec (fp16: their fp16 values)."""
+    S = cache.sink
     token_bytes = 2 * H * D * cache.dtype.itemsize
     stats = cache.kv_stats()
     for layer in range(LAYERS):
-        got = stats["layers"][layer]
+        fmt, got = cache.formats[layer], stats["layers"][layer]
         counts = (got["sink"] // token_bytes, got["pages"] // fmt.page_bytes(H, D), got["recent"] // token_bytes)
-        want = tuple(sum(len(getattr(s.rule, tier)) for s in seqs) for tier in ("sink", "pages", "recent"))
+        want = tuple(sum(len(getattr(s.rules[layer], tier)) for s in seqs) for tier in ("sink", "pages", "recent"))
         lengths = [s.rule.length for s in seqs]
         assert counts == want, f"(sink, pages, recent) of layer {layer} at lengths {lengths}"
         for s in seqs:
-            where = f"layer {layer}, slot {s.slot} at length {s.rule.length}"
+            rule, where = s.rules[layer], f"layer {layer}, slot {s.slot} at length {s.rule.length}"
             for name, dense, pages, codec, x in (("K", cache.dense_k, cache.k_pages, fmt.k, s.k),
                                                  ("V", cache.dense_v, cache.v_pages, fmt.v, s.v)):
                 buf, x = dense[layer][s.slot], x[layer]
-                ns, nr = len(s.rule.sink), len(s.rule.recent)
-                assert torch.equal(buf[:, :ns], x[:, s.rule.sink]), f"sink {name} of {where}"
-                assert torch.equal(buf[:, S:S + nr], x[:, s.rule.recent]), f"recent {name} of {where}"
-                for j, group in enumerate(s.rule.pages):
+                ns, nr = len(rule.sink), len(rule.recent)
+                assert torch.equal(buf[:, :ns], x[:, rule.sink]), f"sink {name} of {where}"
+                assert torch.equal(buf[:, S:S + nr], x[:, rule.recent]), f"recent {name} of {where}"
+                for j, group in enumerate(rule.pages):
                     pid = int(cache.page_table[s.slot, j])
                     page = codec.decode({f: t[pid] for f, t in pages[layer].items()})
-                    assert torch.equal(page, x[:, group].half().float()), f"page {j} {name} of {where}"
+                    assert torch.equal(page, codec.decode(codec.encode(x[:, group]))), f"page {j} {name} of {where}"
 
 
 def interesting_lengths(S: int, R: int) -> list[int]:
@@ -260,9 +269,9 @@ def test_flush_every_128_decode_steps(monkeypatch):
     writes = []  # (decode step, number of tiles, page ids) of every encode_pages call
     real_encode = kernels.encode_pages
 
-    def counting_encode(codec, x, pool_fields, page_ids, backend=None):
+    def counting_encode(codec, x, pool_fields, page_ids, backend=None, query_weight=None):
         writes.append((step, x.shape[0], page_ids.tolist()))
-        real_encode(codec, x, pool_fields, page_ids, backend)
+        real_encode(codec, x, pool_fields, page_ids, backend, query_weight)
 
     monkeypatch.setattr(kernels, "encode_pages", counting_encode)
     cache = make_cache("kitty", sink=S, window=R, budget_mib=1)  # a small pool: it is compared every step
@@ -469,21 +478,43 @@ def test_pool_holds_every_page_after_a_run(tiny_llama):
     assert llm.cache.kv_stats()["total"] == 0
 
 
-def test_kvmix_important_layers_keep_more_tokens_in_fp16():
-    """KVmix: a layer whose plan gives it twice the window ratio keeps twice the recent window,
-    so at the same length it has flushed fewer tokens into (its own-width) pages."""
+def test_kvmix_layers_keep_their_share_of_the_context_in_fp16():
+    """KVmix's recent pivotal context: a layer keeps max(window, ratio x length) of its newest
+    tokens in full precision, so the window grows with the sequence. Through a prefill, chunks
+    and decode steps, every layer's tiers, buffers and attention output equal its own rule's;
+    the full-precision share stays at least each ratio; kv_stats counts it."""
     plan = {"method": "kvmix", "layers": [{"k_bits": 2, "v_bits": 2, "window_ratio": 0.1},
-                                          {"k_bits": 4, "v_bits": 4, "window_ratio": 0.2}]}
-    cache = KVCache(quant.get_format("kvmix", plan=plan), n_layers=LAYERS, n_kv_heads=H, head_dim=D, sink=4, window=8,
-                    max_seqs=1, max_seq_len=1024, budget_bytes=8 * 2**20)
-    seq = Seq(cache, 4 + 16 + 128, seed=12)
-    for _ in range(4 + 8 + 128):  # exactly one page's worth past layer 0's window
-        feed(cache, [seq], 1)
+                                          {"k_bits": 4, "v_bits": 4, "window_ratio": 0.25}]}
+    fmt = quant.get_format("kvmix", plan=plan)
+    n = 4 + 900
+    cache = KVCache(fmt, n_layers=LAYERS, n_kv_heads=H, head_dim=D, sink=4, window=8, max_seqs=1, max_seq_len=n,
+                    budget_bytes=8 * 2**20)
+    seq, memo = Seq(cache, n, seed=12), {}
+    for size in [300, 1, 1, 250] + [1] * 352:
+        feed(cache, [seq], size, fmt=fmt, memo=memo)
+        check_tiers(cache, [seq])
     low, high = cache.kv_stats()["layers"]
     bytes_per_token = 2 * H * D * cache.dtype.itemsize
-    assert low["pages"] == quant.get_format("kivi-k2v2").page_bytes(H, D)  # one 2-bit page
-    assert low["recent"] == 8 * bytes_per_token
-    assert high["pages"] == 0 and high["recent"] == (8 + 128) * bytes_per_token
-    for _ in range(8):  # layer 1 reaches its own window + 128: a 4-bit page
-        feed(cache, [seq], 1)
-    assert cache.kv_stats()["layers"][1]["pages"] == quant.get_format("kivi-k4v4").page_bytes(H, D)
+    assert len(seq.rules[0].pages) > len(seq.rules[1].pages) > 0
+    assert low["recent"] >= 0.1 * n * bytes_per_token and high["recent"] >= 0.25 * n * bytes_per_token
+    assert high["pages"] == len(seq.rules[1].pages) * quant.get_format("kivi-k4v4").page_bytes(H, D)
+
+
+def test_kitty_q_aware_boosts_the_channels_the_queries_weigh():
+    """kitty:score=q-aware ranks a page's key channels by range x the mean |q| the cache keeps per
+    sequence and kv head: queries that lean on one channel (a different one per sequence) get it
+    boosted in every page of that sequence, prefilled or decoded, though keys alone would not pick it."""
+    cache = make_cache("kitty:score=q-aware", sink=4, window=8, max_seqs=2)
+    seqs = [Seq(cache, 4 + 8 + 3 * PAGE_TOKENS, seed=s) for s in (1, 2)]
+    for seq, channel in zip(seqs, (3, 11)):
+        seq.q[..., channel] *= 100
+        seq.k[..., 0] *= 5  # the widest key channel: what magnitude or range would boost
+    for seq in seqs:
+        feed(cache, [seq], 4 + 8 + PAGE_TOKENS + 40)  # one page from the prefill
+    for _ in range(2 * PAGE_TOKENS - 40):  # two more from decode steps
+        feed(cache, seqs, 1)
+    for seq, channel in zip(seqs, (3, 11)):
+        pages = cache.page_table[seq.slot, :3].long()
+        assert len(seq.rule.pages) == 3
+        for layer in range(LAYERS):
+            assert (cache.k_pages[layer]["ids"][pages, :, 0] == channel).all(), (layer, channel)
