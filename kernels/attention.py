@@ -520,7 +520,8 @@ def _split_kernel(
             K_NF4, K_N_HIGH, V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
             V_HAS_ZERO, V_MULT_KIND, V_NF4)
         acc -= corr[None, :]
-        if ROTATED:  # back from the rotated domain: o @ U, here U^T @ o^T (linear, so before normalizing)
+        if ROTATED and ONE_PROGRAM:  # back from the rotated domain: o @ U, here U^T @ o^T (linear, so before
+            # normalizing); with splits the merge does it once per row, on the sum of the page partials
             acc = tl.dot(tl.load(UNROT + d[None, :] * D + d[:, None]), acc)
     if ONE_PROGRAM or split < 0:
         # FP16 tiers: part 0 = sink, parts 1.. = the recent tier in equal chunks of whole steps (at a
@@ -555,13 +556,15 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, M, H: tl.constexpr, D: tl.constexpr,
+def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, UNROT, num_splits, M, H: tl.constexpr, D: tl.constexpr,
                   D_BLOCK: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, TIERS: tl.constexpr, CHUNK: tl.constexpr,
-                  RETURN_LSE: tl.constexpr):
+                  RETURN_LSE: tl.constexpr, ROTATED: tl.constexpr):
     """out[bh, m] = sum over the row's written partials of o_s * 2^lse_s / sum 2^lse_s (0 if no
     split saw a token), and optionally the total log-sum-exp in natural log. The partials are the
     FP16 tiers' TIERS parts and the row's live page splits (_page_split), read CHUNK at a time; each
-    program merges D_BLOCK channels (at batch 1 there are few rows, so channels give the parallelism)."""
+    program merges D_BLOCK channels (at batch 1 there are few rows, so channels give the parallelism).
+    ROTATED: the page partials are in the pages' rotated domain; their weighted sum (all D channels)
+    is mapped back with UNROT [D, D] here, once per row, instead of once per split in the split kernel."""
     bh = tl.program_id(0)
     m = tl.program_id(1)
     d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
@@ -576,6 +579,8 @@ def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, M, H: tl.c
     top = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros([CHUNK], tl.float32)
     out = tl.zeros([CHUNK, D_BLOCK], tl.float32)
+    e = tl.arange(0, D)
+    rotated = tl.zeros([CHUNK, D], tl.float32)
     for s0 in range(0, n_read, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
         part = (bh * (num_splits + TIERS) + s) * M + m
@@ -583,9 +588,17 @@ def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, M, H: tl.c
         w = tl.exp2(lse - top)
         total += w
         seen = lse > float("-inf")  # an empty partial's output is never read
-        out += w[:, None] * tl.load(O_PART + part[:, None] * D + d[None, :], mask=seen[:, None], other=0.0)
+        if ROTATED:
+            pages = s >= TIERS
+            out += w[:, None] * tl.load(O_PART + part[:, None] * D + d[None, :], mask=(seen & ~pages)[:, None], other=0.0)
+            rotated += w[:, None] * tl.load(O_PART + part[:, None] * D + e[None, :], mask=(seen & pages)[:, None], other=0.0)
+        else:
+            out += w[:, None] * tl.load(O_PART + part[:, None] * D + d[None, :], mask=seen[:, None], other=0.0)
+    merged = tl.sum(out, 0)
+    if ROTATED:  # (sum of page partials) @ UNROT[:, d]
+        merged += tl.sum(tl.sum(rotated, 0)[:, None] * tl.load(UNROT + e[:, None] * D + d[None, :]), 0)
     total_sum = tl.sum(total, 0)
-    tl.store(OUT + (bh * M + m) * D + d, (tl.sum(out, 0) / tl.maximum(total_sum, 1e-30)).to(OUT.dtype.element_ty))
+    tl.store(OUT + (bh * M + m) * D + d, (merged / tl.maximum(total_sum, 1e-30)).to(OUT.dtype.element_ty))
     if RETURN_LSE and tl.program_id(2) == 0:
         lse_all = tl.where(total_sum > 0, top + tl.log2(tl.maximum(total_sum, 1e-30)), float("-inf"))
         tl.store(LSE_OUT + bh * M + m, lse_all * 0.6931471805599453)  # base 2 -> natural log
@@ -660,7 +673,7 @@ MIN_PAGES_PER_SPLIT = 2
 SHORT_ROW_PAGES = 32
 RECENT_PARTS = 4
 NUM_WARPS = 1
-NUM_WARPS_ROTATED = 2  # KVarN's [D, D] un-rotation at the end spills badly in one warp
+NUM_WARPS_ROTATED = 2  # a rotated format's [D, D] un-rotation in a one-program launch spills badly in one warp
 NUM_STAGES = 1
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
 # (up to ~128) splits should take one or two rounds, not eight.
@@ -748,7 +761,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else out
     o_part = out if one else _scratch((B * H, n_parts, M, D), q.device)
     lse_part = lse if one else _scratch((B * H, n_parts, M), q.device)
-    warps = launch.num_warps or (NUM_WARPS_ROTATED if fmt.rotated else NUM_WARPS)
+    warps = launch.num_warps or (NUM_WARPS_ROTATED if fmt.rotated and one else NUM_WARPS)
     options = dict(num_warps=warps, num_stages=launch.num_stages or NUM_STAGES)
     if launch.maxnreg:
         options["maxnreg"] = launch.maxnreg
@@ -771,7 +784,8 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     )
     if not one:
         d_block = min(D, 32)
-        _merge_kernel[(B * H, M, D // d_block)](o_part, lse_part, out, lse, n_pages, num_splits, M, H=H, D=D, D_BLOCK=d_block,
-                                  MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, TIERS=tiers,
-                                  CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(n_parts)), RETURN_LSE=return_lse)
+        _merge_kernel[(B * H, M, D // d_block)](o_part, lse_part, out, lse, n_pages, unrot, num_splits, M, H=H, D=D,
+                                  D_BLOCK=d_block, MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, TIERS=tiers,
+                                  CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(n_parts)), RETURN_LSE=return_lse,
+                                  ROTATED=fmt.rotated)
     return (out, lse) if return_lse else out
