@@ -27,7 +27,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from torch import Tensor
 
-from quant.kvarn import STD_CLAMP, hadamard
+from quant.hadamard import hadamard
+from quant.kvarn import STD_CLAMP
 from quant.nqkv import NF4_LEVELS
 
 STD_LO = tl.constexpr(STD_CLAMP[0])

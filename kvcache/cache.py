@@ -318,15 +318,16 @@ class KVCache:
                 H, D = self.n_kv_heads, self.head_dim
                 tiles_k = tail_k[:, : n_full * PAGE_TOKENS].reshape(H, n_full, PAGE_TOKENS, D).transpose(0, 1)
                 tiles_v = tail_v[:, : n_full * PAGE_TOKENS].reshape(H, n_full, PAGE_TOKENS, D).transpose(0, 1)
-                self._write_pages(layer, tiles_k, tiles_v, self._pages[s][n_pages:n_pages + n_full],
-                                  to_device([s] * n_full, self.device))
+                slots = to_device([s] * n_full, self.device) if self._query_weight is not None else None
+                self._write_pages(layer, tiles_k, tiles_v, self._pages[s][n_pages:n_pages + n_full], slots)
             keep = tail_k.shape[1] - n_full * PAGE_TOKENS
             dk[s, :, S:S + keep] = tail_k[:, n_full * PAGE_TOKENS:]
             dv[s, :, S:S + keep] = tail_v[:, n_full * PAGE_TOKENS:]
 
     def _write_pages(self, layer: int, k_tiles: torch.Tensor, v_tiles: torch.Tensor, page_ids: list[int],
-                     slots: torch.Tensor) -> None:
-        """Encode tiles [N, H, 128, D] of these slots [N] into these pages."""
+                     slots: torch.Tensor | None) -> None:
+        """Encode tiles [N, H, 128, D] of these slots [N] (needed only for the queries' weights,
+        where the format ranks by them) into these pages."""
         ids = to_device(page_ids, self.device)
         fmt = self.formats[layer]
         query_weight = self._query_weight[layer][slots] if self._query_weight is not None else None

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .base import PAGE_TOKENS, FieldSpecs, KVFormat, TileCodec
-from .hadamard import fwht, hadamard  # noqa: F401  (hadamard: the encode kernel's matrix)
+from .hadamard import fwht
 from .layout import Layout
 from .rtn import dequantize, pack, packed_shape, quantize, unpack
 

@@ -278,7 +278,7 @@ def test_triton_encode_matches_reference(name: str, side: str):
     ids = page_ids.long()
     dec_got = codec.decode({f: t[ids] for f, t in got.items()})
     dec_want = codec.decode({f: t[ids] for f, t in want.items()})
-    truth = quant.kvarn.fwht(x.float())
+    truth = quant.hadamard.fwht(x.float())
     err_got, err_want = (dec_got - truth).pow(2).mean(), (dec_want - truth).pow(2).mean()
     assert err_got < 1.05 * err_want, f"{name} {side}: reconstruction mse {err_got:.4g} vs reference {err_want:.4g}"
     close = (dec_got - dec_want).abs() <= 1e-3 * truth.abs().max()

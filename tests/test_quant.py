@@ -13,7 +13,8 @@ import torch
 
 import quant
 from quant import kvmix
-from quant.kvarn import fwht, hadamard, imbalance, sinkhorn
+from quant.hadamard import fwht, hadamard
+from quant.kvarn import imbalance, sinkhorn
 from quant.nqkv import NF4_LEVELS, block_size
 from quant.rtn import dequantize, pack, packed_shape, quantize, unpack
 
