@@ -37,6 +37,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs
     allow_pickle: bool = False  # allow pickle .bin checkpoints (torch.load with weights_only=True)
     progress: bool = True  # progress bars while loading
+    tp: int = 1  # tensor-parallel ranks, one process each under torchrun (tp.py)
 
     def __post_init__(self):
         try:
@@ -49,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"sink and window must be >= 0, got sink={self.sink} window={self.window}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompts), got {self.prefill_chunk}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be at least 1, got {self.tp}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
 

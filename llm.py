@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 import loading
+import tp as tp_group
 from config import EngineConfig, kv_format
 from kvcache import KVCache
 from model import Transformer
@@ -79,9 +80,17 @@ class LLM:
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # the user's setting wins
             torch.set_num_threads(available_cpus())
         dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
+        # tensor parallel: this rank's slice of the model and of the KV heads; rank 0 schedules
+        self.tp = tp_group.init(config.tp, self.device) if config.tp > 1 else None
+        if self.tp:
+            self.device = self.tp.device
         if not isinstance(model, Transformer):
-            model, tokenizer = loading.load_model(model, device=self.device, dtype=dtype,
-                                                  allow_pickle=config.allow_pickle, progress=config.progress)
+            model, tokenizer = loading.load_model(model, device=self.device, dtype=dtype, allow_pickle=config.allow_pickle,
+                                                  progress=config.progress and self.is_leader, tp=self.tp)
+        elif getattr(model, "tp", None) is not self.tp:
+            raise ValueError(f"tp={config.tp}, but the model given is split for "
+                             f"{getattr(getattr(model, 'tp', None), 'size', 1)} rank(s): build it with "
+                             f"tp=tp.init({config.tp}, device) (shapes.random_model, loading.load_weights)")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.eos_ids = tokenizer.eos_ids if tokenizer else set()
         mc = model.config
@@ -89,21 +98,30 @@ class LLM:
         budget = None
         if config.num_pages is None:
             budget = int(config.kv_budget_gb * 2**30) if config.kv_budget_gb else default_kv_budget(self.device)
+            if self.tp:  # every rank must hold the same pages: the GPU with the least free memory decides
+                budget = self.tp.smallest(budget)
         self.cache = KVCache(
-            fmt, n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, sink=config.sink,
+            fmt, n_layers=mc.n_layers, n_kv_heads=mc.n_kv_heads // config.tp, head_dim=mc.head_dim, sink=config.sink,
             window=config.window, max_seqs=config.max_batch, max_seq_len=mc.max_seq_len, budget_bytes=budget,
             num_pages=config.num_pages, device=self.device, dtype=next(model.parameters()).dtype,
             sliding_window=mc.sliding_window, backend=None if config.backend == "auto" else config.backend,
         )
         graphs = config.cuda_graphs and self.device.type == "cuda" and config.backend != "torch"
-        self.runner = ModelRunner(model, self.cache, config.max_batch, graphs)
+        self.runner = ModelRunner(model, self.cache, config.max_batch, graphs, self.tp)
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: collections.deque[Request] = collections.deque()  # admitted, prompt partly in the cache
         self.running: list[Request] = []
         self._ids = itertools.count()
         self._in_flight: collections.deque[Launched] = collections.deque()  # sampled, not yet read
         self._finished_lengths: list[int] = []  # stored tokens of each sequence of this run, at its end
+        self._told: list[dict] = []  # rank 0: what the followers must do before the next step (tp > 1)
+        self._closed = False
         self.reset_timing()
+
+    @property
+    def is_leader(self) -> bool:
+        """This process schedules, prints and serves: always, except on ranks 1.. of a tensor-parallel group."""
+        return self.tp is None or self.tp.leader
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -146,9 +164,11 @@ class LLM:
         if not self.has_work():  # a new run begins: kv_stats' "last run" is the one before it
             self._finished_lengths = []
         self.waiting.append(req)
+        self._tell(op="add", id=req.id, ids=req.prompt_ids, params=req.params.__dict__)
 
     def cancel(self, req: Request) -> None:
         """Stop a request now; its pages go back to the pool."""
+        self._tell(op="cancel", id=req.id)
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.prefilling:
@@ -166,6 +186,10 @@ class LLM:
         """Admit what fits, prefill the next prompt chunk(s), launch one decode step for the
         running sequences, then read the tokens of every earlier launch; returns the requests
         that finished."""
+        self._lead("step")
+        return self._step()
+
+    def _step(self) -> list[Request]:
         while self.waiting:
             req = self.waiting[0]
             slot = self.cache.admit(len(req.prompt_ids) + req.params.max_new_tokens)
@@ -320,13 +344,21 @@ class LLM:
         """Bytes held by each KV tier, per layer and in total, and bits per cached element, with
         `scope` saying over what: the sequences in the cache ("live"); when there are none, the
         sequences of the last run as they stood when they finished ("last run"); before any run,
-        the format's page bits stand in for bits_per_element ("page bits")."""
+        the format's page bits stand in for bits_per_element ("page bits").
+
+        With tensor parallelism the tier bytes are those of all ranks (each holds its share of
+        the KV heads, all shares alike), `per_rank` has this rank's, and the pool's pages and the
+        per-layer figures are per rank (a page holds one rank's heads)."""
         stats = self.cache.kv_stats()
         if stats["total"] or self.has_work():
-            return {**stats, "scope": "live"}
-        if self._finished_lengths:
-            return {**self.cache.kv_stats(lengths=self._finished_lengths), "scope": "last run"}
-        return {**stats, "bits_per_element": stats["page_bits_per_element"], "scope": "page bits"}
+            stats = {**stats, "scope": "live"}
+        elif self._finished_lengths:
+            stats = {**self.cache.kv_stats(lengths=self._finished_lengths), "scope": "last run"}
+        else:
+            stats = {**stats, "bits_per_element": stats["page_bits_per_element"], "scope": "page bits"}
+        ranks = self.tp.size if self.tp else 1
+        per_rank = {tier: stats[tier] for tier in ("sink", "pages", "recent", "total")}
+        return {**stats, **{tier: n * ranks for tier, n in per_rank.items()}, "ranks": ranks, "per_rank": per_rank}
 
     def reset_timing(self) -> None:
         """Zero the counters of `timing`: prefill seconds (measured on the device) and tokens,
@@ -341,6 +373,10 @@ class LLM:
         quality benchmarks score. The sequence is admitted here and released afterwards."""
         if sum(blocks) > len(ids):
             raise ValueError(f"blocks of {sum(blocks)} tokens in all, but only {len(ids)} ids")
+        self._lead("teacher_force", ids=list(ids), blocks=list(blocks))
+        return self._teacher_force(ids, blocks)
+
+    def _teacher_force(self, ids: list[int], blocks: list[int]) -> torch.Tensor:
         slot = self.cache.admit(sum(blocks))
         if slot is None:
             raise ValueError("no free slot or too few free pages for a teacher-forced sequence")
@@ -353,13 +389,76 @@ class LLM:
         """A request that holds n_tokens of context already, whatever the cache's tiers contain
         (KVCache.randomize), and has sampled its first token: it decodes from the next step.
         Capacity benchmarks run hundreds of long sequences this way without prefilling them."""
+        return self._add_synthetic(next(self._ids), n_tokens, params)
+
+    def _add_synthetic(self, id: int, n_tokens: int, params: SamplingParams) -> Request:
         slot = self.cache.admit(n_tokens + params.max_new_tokens)
         if slot is None:
             raise ValueError(f"no room for a synthetic sequence of {n_tokens} + {params.max_new_tokens} tokens")
+        self._tell(op="synthetic", id=id, n_tokens=n_tokens, params=params.__dict__)
         self.cache.assume_stored(slot, n_tokens)
-        req = Request(next(self._ids), [0] * n_tokens, params, output_ids=[0], slot=slot, n_sampled=1)
+        req = Request(id, [0] * n_tokens, params, output_ids=[0], slot=slot, n_sampled=1)
         self.running.append(req)
         return req
+
+    # ---- tensor parallel: rank 0 leads, the other ranks follow -------------------------------
+
+    def _tell(self, **op) -> None:
+        """Rank 0: note a change of the scheduler's state that the followers must make too."""
+        if self.tp and self.tp.leader:
+            self._told.append(op)
+
+    def _lead(self, then: str, **args) -> None:
+        """Rank 0, before it runs something on the model: one message that brings the followers'
+        schedulers to its state and tells them to run the same (a follower calling this is a bug)."""
+        if self.tp is None:
+            return
+        if not self.tp.leader:
+            raise RuntimeError(f"rank {self.tp.rank} follows rank 0: call follow(), not the engine's loop")
+        self.tp.send({"told": self._told, "then": then, **args})
+        self._told = []
+
+    def follow(self) -> None:
+        """Ranks 1.. of a tensor-parallel group: make every change and run every step that rank
+        0's LLM makes, on this rank's slice, until rank 0 calls close(). Raises tp.RankLost if rank
+        0 dies meanwhile."""
+        if self.is_leader:
+            raise RuntimeError("follow() is for ranks 1.. of a tensor-parallel group; rank 0 drives the engine")
+        while True:
+            message = self.tp.receive()
+            for op in message["told"]:
+                self._apply(op)
+            if message["then"] == "step":
+                self._step()
+            elif message["then"] == "teacher_force":
+                try:
+                    self._teacher_force(message["ids"], message["blocks"])
+                except ValueError:  # no room: rank 0 raised the same to its caller, and goes on
+                    pass
+            elif message["then"] == "close":
+                return
+
+    def _apply(self, op: dict) -> None:
+        params = SamplingParams(**op.get("params", {}))
+        if op["op"] == "add":
+            req = Request(op["id"], op["ids"], params)
+            if params.seed is not None:
+                req.generator = torch.Generator(self.device).manual_seed(params.seed)
+            self.enqueue(req)
+        elif op["op"] == "cancel":
+            for req in itertools.chain(self.waiting, self.prefilling, self.running):
+                if req.id == op["id"]:
+                    self.cancel(req)
+                    break
+        elif op["op"] == "synthetic":
+            self._add_synthetic(op["id"], op["n_tokens"], params)
+
+    def close(self) -> None:
+        """Rank 0 of a tensor-parallel group: release the followers from follow(). Nothing to do
+        on one GPU; a second call does nothing."""
+        if not self._closed and self.tp and self.tp.leader:
+            self._lead("close")
+        self._closed = True
 
 
 def available_cpus() -> int:

@@ -25,15 +25,17 @@ import json
 import os
 import pickle
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 import catalog
-from model import SUPPORTED_ARCHS, ModelConfig, Transformer, UnsupportedModelError
+import tp as tp_group
+from model import SUPPORTED_ARCHS, ModelConfig, Transformer, UnsupportedModelError, build
 from tokenizer import LoadError, Tokenizer, read_json
 
 # ---------------------------------------------------------------------------------------------
@@ -46,13 +48,15 @@ def load_model(
     dtype: torch.dtype | None = None,
     allow_pickle: bool = False,
     progress: bool = True,
+    tp: tp_group.Group | None = None,
 ) -> tuple[Transformer, Tokenizer]:
-    """The model and tokenizer of `source`: None (default model), a model name, a folder, a hub id or a .gguf file."""
+    """The model and tokenizer of `source`: None (default model), a model name, a folder, a hub id or a .gguf file.
+    tp: this rank's slice of the model only (tp.py), read from the matching slices of the files."""
     path = resolve_source(source, allow_pickle)
     if _is_gguf(path):
         gguf_file = _GGUFFile(path)
-        return gguf_file.model(device, dtype, progress), gguf_file.tokenizer()
-    return _load_folder_weights(path, device, dtype, allow_pickle, progress), Tokenizer.from_folder(path)
+        return gguf_file.model(device, dtype, progress, tp), gguf_file.tokenizer()
+    return _load_folder_weights(path, device, dtype, allow_pickle, progress, tp), Tokenizer.from_folder(path)
 
 
 def load_weights(
@@ -61,12 +65,13 @@ def load_weights(
     dtype: torch.dtype | None = None,
     allow_pickle: bool = False,
     progress: bool = True,
+    tp: tp_group.Group | None = None,
 ) -> Transformer:
     """Only the model of `source` (for checkpoints saved without a tokenizer, e.g. tiny test models)."""
     path = resolve_source(source, allow_pickle)
     if _is_gguf(path):
-        return _GGUFFile(path).model(device, dtype, progress)
-    return _load_folder_weights(path, device, dtype, allow_pickle, progress)
+        return _GGUFFile(path).model(device, dtype, progress, tp)
+    return _load_folder_weights(path, device, dtype, allow_pickle, progress, tp)
 
 
 def load_tokenizer(source: str | None = None) -> Tokenizer:
@@ -156,28 +161,53 @@ def _default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _new_model(config: ModelConfig, device: str | torch.device, dtype: torch.dtype | None) -> Transformer:
-    """A Transformer (random values, about to be overwritten) with parameters in `dtype` on `device`.
-    The default dtype is switched instead of calling .to(dtype) so that float32 buffers (RoPE
-    frequencies) stay float32."""
+def _new_model(config: ModelConfig, device: str | torch.device, dtype: torch.dtype | None,
+               tp: tp_group.Group | None) -> Transformer:
+    """A Transformer (or this rank's slice of one) with parameters in `dtype` on `device`, about to be filled."""
     device = torch.device(device)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype or _default_dtype(device))
-    try:
-        with torch.device(device):
-            return Transformer(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    shard = (lambda model: tp_group.shard(model, tp)) if tp else None
+    return build(config, device, dtype or _default_dtype(device), shard)
 
 
-def _fill(model: Transformer, tensors: Iterator[tuple[str, str, str, torch.Tensor]], total: int | None,
+class _Stored(NamedTuple):
+    """A checkpoint tensor not read yet: its full shape, and how to read the part in some index
+    ranges (a rank of a tensor-parallel group reads only its slice)."""
+
+    shape: tuple[int, ...]
+    read: Callable[[tuple[slice, ...]], torch.Tensor]
+
+
+def _in_memory(tensor: torch.Tensor) -> _Stored:
+    return _Stored(tuple(tensor.shape), lambda index: tensor[index])
+
+
+def _slice_for(full: tuple[int, ...], local: tuple[int, ...], tp: tp_group.Group | None) -> tuple[slice, ...] | None:
+    """The index ranges of a checkpoint tensor of shape `full` that a parameter of shape `local`
+    holds: all of it, or along a split dimension this rank's ceil(full / ranks) (the last rank's
+    cut at the end); None when the shapes do not match."""
+    if len(full) != len(local):
+        return None
+    index = []
+    for f, n in zip(full, local):
+        if f == n:
+            index.append(slice(None))
+        elif tp and n == -(-f // tp.size):
+            index.append(slice(min(tp.rank * n, f), min((tp.rank + 1) * n, f)))
+        else:
+            return None
+    return tuple(index)
+
+
+def _fill(model: Transformer, tensors: Iterator[tuple[str, str, str, _Stored]], total: int | None,
           source: Path, progress: bool) -> Transformer:
-    """Copy (our name, file name, its name there, tensor) items into the model; every parameter must
-    be given exactly once and with its shape."""
+    """Copy (our name, file name, its name there, stored tensor) items into the model; every
+    parameter must be given exactly once and with its shape (or, in a tensor-parallel model, the
+    shape of this rank's slice of it, and then only that slice is read)."""
     params = model.checkpoint_tensors()  # detached views of the parameters: copy_ writes through
+    tp = getattr(model, "tp", None)
     seen: dict[str, str] = {}
     with torch.no_grad():
-        for ours, file, theirs, tensor in tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor",
+        for ours, file, theirs, stored in tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor",
                                                disable=not progress, leave=False):
             if ours in seen:
                 raise LoadError(f"{file}: tensor {theirs!r} is given twice (also in {seen[ours]}); "
@@ -187,12 +217,18 @@ def _fill(model: Transformer, tensors: Iterator[tuple[str, str, str, torch.Tenso
                     f"{file}: tensor {theirs!r} has no place in this {model.config.arch} model "
                     f"(it would be {ours!r}); the checkpoint does not match its config"
                 )
-            if tuple(tensor.shape) != tuple(params[ours].shape):
+            target = params[ours]
+            index = _slice_for(stored.shape, tuple(target.shape), tp)
+            if index is None:
                 raise LoadError(
-                    f"{file}: tensor {theirs!r} has shape {tuple(tensor.shape)}, the config asks for "
-                    f"{tuple(params[ours].shape)}; the checkpoint does not match its config"
+                    f"{file}: tensor {theirs!r} has shape {stored.shape}, the config asks for "
+                    f"{tuple(target.shape)}; the checkpoint does not match its config"
                 )
-            params[ours].copy_(tensor)
+            tensor = stored.read(index)
+            if tensor.shape != target.shape:  # the last rank's slice of a padded vocabulary
+                target.zero_()
+                target = target[tuple(slice(0, n) for n in tensor.shape)]
+            target.copy_(tensor)
             seen[ours] = file
     missing = [name for name in params if name not in seen]
     if missing:
@@ -309,7 +345,7 @@ def _checkpoint_files(folder: Path, allow_pickle: bool) -> tuple[list[Path], boo
     )
 
 
-def _folder_tensors(files: list[Path], pickled: bool) -> Iterator[tuple[str, str, str, torch.Tensor]]:
+def _folder_tensors(files: list[Path], pickled: bool) -> Iterator[tuple[str, str, str, _Stored]]:
     from safetensors import SafetensorError, safe_open
 
     for file in files:
@@ -317,13 +353,16 @@ def _folder_tensors(files: list[Path], pickled: bool) -> Iterator[tuple[str, str
             if not file.is_file():
                 raise FileNotFoundError(f"{file}: missing (listed by the checkpoint index); download it again")
             try:  # weights_only: the unpickler builds tensors and plain containers, never calls anything
-                items = torch.load(file, map_location="cpu", weights_only=True).items()
+                loaded = torch.load(file, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as e:
                 raise LoadError(f"{file}: refused, it holds more than tensors ({e})") from e
+            items = ((name, _in_memory(tensor)) for name, tensor in loaded.items())
         else:
             try:
                 handle = safe_open(file, framework="pt")
-                items = ((name, handle.get_tensor(name)) for name in handle.keys())
+                # a safetensors slice reads only the bytes of the index ranges asked for
+                items = ((name, _Stored(tuple(sl.get_shape()), sl.__getitem__))
+                         for name in handle.keys() for sl in [handle.get_slice(name)])
             except SafetensorError as e:
                 raise LoadError(f"{file}: unreadable safetensors file ({e}); it is corrupt, download it again") from e
         for name, tensor in items:
@@ -335,14 +374,15 @@ def _folder_tensors(files: list[Path], pickled: bool) -> Iterator[tuple[str, str
             yield ours, str(file), name, tensor
 
 
-def _load_folder_weights(folder: Path, device, dtype, allow_pickle: bool, progress: bool) -> Transformer:
+def _load_folder_weights(folder: Path, device, dtype, allow_pickle: bool, progress: bool,
+                         tp: tp_group.Group | None) -> Transformer:
     if not folder.is_dir():
         raise LoadError(f"{folder}: a file that is neither a model folder nor a GGUF file")
     config = ModelConfig.from_hf(read_json(folder / "config.json"))
     files, pickled = _checkpoint_files(folder, allow_pickle)
     # validate every shard before the slow part; pickles would have to be unpickled to count
     total = None if pickled else sum(len(_safetensors_header(f)) for f in files)
-    model = _new_model(config, device, dtype)
+    model = _new_model(config, device, dtype, tp)
     tensors = _folder_tensors(files, pickled)
     if config.tie_embeddings:  # a tied checkpoint may still store the shared matrix as lm_head
         tensors = (t for t in tensors if t[0] != "lm_head.weight")
@@ -448,12 +488,10 @@ class _GGUFFile:
             raise LoadError(f"{path}: unreadable GGUF file ({e}); it is truncated or corrupt, download it again") from e
         self.meta = {name: field.contents() for name, field in self.reader.fields.items()}
 
-    def model(self, device, dtype, progress: bool) -> Transformer:
-        from gguf.quants import dequantize
-
+    def model(self, device, dtype, progress: bool, tp: tp_group.Group | None) -> Transformer:
         tensors = self.reader.tensors
         config_dict = gguf_hf_config(self.meta, {t.name for t in tensors})
-        model = _new_model(ModelConfig.from_hf(config_dict), device, dtype)
+        model = _new_model(ModelConfig.from_hf(config_dict), device, dtype, tp)
         heads = {"attn_q": config_dict["num_attention_heads"], "attn_k": config_dict["num_key_value_heads"]}
         permuted = config_dict["model_type"] in _GGUF_PERMUTED
 
@@ -462,18 +500,41 @@ class _GGUFFile:
                 ours = gguf_name_to_ours(t.name)
                 if ours is None:
                     raise LoadError(f"{self.path}: unknown tensor {t.name!r} for a {config_dict['model_type']} model")
-                # numpy shape is ggml's ne reversed: (out, in) for matrices, like HF
-                w = dequantize(t.data, t.tensor_type)
                 part = t.name.split(".")[-2]
-                if permuted and part in heads:
-                    w = _unpermute(w, heads[part])
-                # copy only where needed: memory-mapped F32 tensors are read-only
-                yield ours, str(self.path), t.name, torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+                yield ours, str(self.path), t.name, _gguf_stored(t, heads[part] if permuted and part in heads else None)
 
         return _fill(model, items(), len(tensors), self.path, progress)
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf_metadata(self.meta, str(self.path))
+
+
+def _gguf_stored(t, permuted_heads: int | None) -> _Stored:
+    """A GGUF tensor, dequantized one slice at a time: rows are whole quantization blocks, and a
+    range of columns reads the blocks that cover it. permuted_heads: a llama Q/K matrix of that
+    many heads, whose rows are un-permuted (per head, so a slice of whole heads un-permutes alone)."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    shape = tuple(int(n) for n in reversed(t.shape))  # ggml's ne reversed: (out, in) for matrices, like HF
+
+    def read(index: tuple[slice, ...]) -> torch.Tensor:
+        data = t.data  # memory-mapped: [rows, columns], or [rows, bytes] for block formats
+        start, stop = index[-1].indices(shape[-1])[:2]
+        block, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+        if data.shape[-1] != shape[-1]:  # bytes: the blocks that cover the columns
+            first, last = start // block, -(-stop // block)
+            data = data[..., first * block_bytes: last * block_bytes]
+            start, stop = start - first * block, stop - first * block
+        else:
+            data, start, stop = data[..., start:stop], 0, stop - start
+        w = dequantize(data[(*index[:-1], slice(None))], t.tensor_type)[..., start:stop]
+        if permuted_heads:
+            w = _unpermute(w, w.shape[0] * permuted_heads // shape[0])
+        # copy only where needed: memory-mapped F32 tensors are read-only
+        return torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+
+    return _Stored(shape, read)
 
 
 def _is_gguf(path: Path) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -288,6 +289,26 @@ def add_then_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None) -> t
     return x, norm(x)
 
 
+def build(config: ModelConfig, device: str | torch.device, dtype: torch.dtype,
+          shard: Callable[[Transformer], Transformer] | None = None) -> Transformer:
+    """A Transformer whose parameters are allocated, not initialised, in `dtype` on `device`.
+    It is built on the meta device first, so that `shard` (tp.py) can swap in this rank's slices
+    before any memory is taken; the RoPE frequencies stay float32."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = Transformer(config)
+        if shard is not None:
+            model = shard(model)
+        model = model.to_empty(device=device)
+    finally:
+        torch.set_default_dtype(previous)
+    if not config.learned_positions:
+        model.inv_freq = rope_inv_freq(config).to(device)  # to_empty left the buffer unset
+    return model.eval()
+
+
 class Transformer(nn.Module):
     OPT_POSITION_OFFSET = 2  # OPT's learned position table starts at row 2
 
@@ -355,4 +376,6 @@ class Transformer(nn.Module):
             x = x + pending
         if hasattr(self, "project_out"):
             x = self.project_out(x)
-        return kernels.linear(x, self.output_weight())
+        if self.config.tie_embeddings:
+            return kernels.linear(x, self.tok_embeddings.weight)
+        return self.lm_head(x)  # a module, so that tp.py can swap in a vocab-parallel head

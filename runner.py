@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+import tp as tp_group
 from kvcache import KVCache
 from kvcache.cache import to_device
 from model import Transformer
@@ -26,8 +27,10 @@ class ModelRunner:
     """Runs prefills and decode steps of one model over one cache; owns the device buffer of each
     slot's last token and the decode graphs."""
 
-    def __init__(self, model: Transformer, cache: KVCache, max_batch: int, cuda_graphs: bool):
-        self.model, self.cache = model, cache
+    def __init__(self, model: Transformer, cache: KVCache, max_batch: int, cuda_graphs: bool,
+                 tp: tp_group.Group | None = None):
+        """tp: this rank's group; sampled (not greedy) tokens are then rank 0's on every rank."""
+        self.model, self.cache, self.tp = model, cache, tp
         self.device = cache.device
         # The last sampled token of each cache slot (the extra row is the cache's scratch slot):
         # a decode step reads its input ids here, on the device.
@@ -48,6 +51,8 @@ class ModelRunner:
         if not sample_next:
             return Launched(None, [], timer.stop())
         tokens = sample(logits, [req])
+        if self.tp:
+            self.tp.broadcast(tokens)
         self.last_tokens[slot] = tokens[0]
         return _HostTokens(1, self.device).launch(tokens, [req], timer.stop())
 
@@ -66,6 +71,8 @@ class ModelRunner:
         self.cache.end_step()
         if any(r.params.temperature > 0 for r in reqs):
             sample(logits[:B], reqs, greedy=tokens[:B])
+            if self.tp:  # greedy tokens agree already: every rank has the same gathered logits
+                self.tp.broadcast(tokens)
             self.last_tokens.index_copy_(0, slots_t, tokens)
         out = self._decode_out[self._decode_parity]
         self._decode_parity ^= 1

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from model import ModelConfig, Transformer
+import tp as tp_group
+from model import ModelConfig, Transformer, build
 
 CONFIGS = {
     "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -23,6 +24,10 @@ CONFIGS = {
                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                           original_max_position_embeddings=8192)),
+    # Llama-3-70B: tensor-parallel benchmarks (its 141 GB of bf16 weights need two H200s)
+    "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0,
+                       max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False),
     "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False),
@@ -45,22 +50,18 @@ def hf_config(name_or_path: str) -> dict:
     return json.loads(path.read_text())
 
 
-def random_model(cfg: dict, device: str, dtype: torch.dtype, max_seq_len: int | None = None) -> Transformer:
-    """A Transformer of the config's real shape with random weights, built directly on the device."""
+def random_model(cfg: dict, device: str, dtype: torch.dtype, max_seq_len: int | None = None,
+                 tp: tp_group.Group | None = None) -> Transformer:
+    """A Transformer of the config's real shape with random weights, built directly on the device
+    (with tp, only this rank's slice of it: a 70B shape never exists whole on one GPU)."""
     config = ModelConfig.from_hf(cfg)
     if max_seq_len:
         config.max_seq_len = max(config.max_seq_len, max_seq_len)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Transformer(config)
-    finally:
-        torch.set_default_dtype(default)
+    model = build(config, device, dtype, (lambda m: tp_group.shard(m, tp)) if tp else None)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    return model.eval()
+    return model
 
 
 def weight_bytes_per_step(model: Transformer) -> int:

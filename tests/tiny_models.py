@@ -24,10 +24,15 @@ CONFIGS = {
 FAMILIES = list(CONFIGS)
 
 
-def make_tiny_model(family: str, folder: Path, seed: int = 0, **save_kwargs) -> torch.nn.Module:
-    """Build a random HF model of this family, save it to `folder` and return it (eval, fp32)."""
+def make_tiny_model(family: str, folder: Path, seed: int = 0, config: dict | None = None,
+                    **save_kwargs) -> torch.nn.Module:
+    """Build a random HF model of this family (config: fields to change), save it to `folder` and
+    return it (eval, fp32)."""
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    hf_config = CONFIGS[family]()
+    for key, value in (config or {}).items():
+        setattr(hf_config, key, value)
+    model = tf.AutoModelForCausalLM.from_config(hf_config).eval()
     # Random init at std 0.02 gives near-uniform logits; widen it so greedy choices are clear-cut.
     with torch.no_grad():
         for name, p in model.named_parameters():
