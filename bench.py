@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 import loading
 import quant
+import tp
 from config import BACKENDS, EngineConfig, kv_format
 from kvcache import CacheShape
 from llm import LLM
@@ -174,14 +175,24 @@ def cache_shape(model: Transformer, kv: str, args) -> CacheShape:
     mc = model.config
     dtype = next(model.parameters()).dtype
     fmt = kv_format(kv, getattr(args, "kv_plan", None))  # quality alone takes --kv-plan
-    return CacheShape.of(fmt, mc.n_layers, mc.n_kv_heads, mc.head_dim, args.sink, args.window,
+    ranks = getattr(args, "tp", 1)  # with tensor parallelism: one rank's share of the KV heads
+    return CacheShape.of(fmt, mc.n_layers, mc.n_kv_heads // ranks, mc.head_dim, args.sink, args.window,
                          mc.max_seq_len, dtype)
 
 
 def speed_llm(model: Transformer, kv: str, batch: int, tokens: int, args) -> LLM:
     """An LLM whose page pool holds exactly `batch` sequences of `tokens` tokens."""
     return LLM(model, kv=kv, device="cuda", max_batch=batch, sink=args.sink, window=args.window, backend=args.backend,
-               prefill_chunk=args.prefill_chunk, num_pages=batch * cache_shape(model, kv, args).pages_needed(tokens))
+               prefill_chunk=args.prefill_chunk, num_pages=batch * cache_shape(model, kv, args).pages_needed(tokens),
+               tp=args.tp)
+
+
+def tp_model(args, cfg: dict, dtype: torch.dtype, max_seq_len: int) -> tuple[Transformer, bool]:
+    """The random-weight model of the shape (with --tp N, this rank's slice of it) and whether
+    this process leads: ranks 1.. of a tensor-parallel run build each LLM, follow rank 0 through
+    it and print nothing."""
+    group = tp.init(args.tp, torch.device("cuda")) if args.tp > 1 else None
+    return random_model(cfg, "cuda", dtype, max_seq_len, tp=group), group is None or group.leader
 
 
 def cmd_speed(args) -> None:
@@ -190,20 +201,25 @@ def cmd_speed(args) -> None:
     methods, batches = _methods(args.kv), _ints(args.batch)
     from benchmarks.kernels import copy_bandwidth  # GPU only: it imports triton.testing
 
+    model, leader = tp_model(args, cfg, dtype, args.prompt + args.new)
     bw = copy_bandwidth("cuda")
-    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {bw / 1e12:.2f} TB/s", file=sys.stderr)
+    if leader:
+        print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {bw / 1e12:.2f} TB/s", file=sys.stderr)
     rows = []
     hf = {}
-    if args.vs_hf:
+    if args.vs_hf and leader:
         for b in tqdm(batches, desc="HF transformers", file=sys.stderr):
             hf[b] = hf_run(cfg, b, args.prompt, args.new, dtype)
-    model = random_model(cfg, "cuda", dtype, args.prompt + args.new)
     wbytes = weight_bytes_per_step(model)
-    for method in tqdm(methods, desc="methods", file=sys.stderr):
+    for method in tqdm(methods, desc="methods", file=sys.stderr, disable=not leader):
         for b in batches:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             llm = speed_llm(model, method, b, args.prompt + args.new, args)
+            if not leader:
+                llm.follow()
+                del llm  # before the next LLM allocates its cache
+                continue
             run_engine(llm, b, args.prompt, 4)  # warm-up on the same shapes: kernels compile, graphs capture
             r = run_engine(llm, b, args.prompt, args.new, seed=1)
             attn = {}
@@ -220,19 +236,22 @@ def cmd_speed(args) -> None:
                     attn["attn_vs_bench"] = attn["attn_layer_us"] / attn["kernel_bench_us"]
             kv = r.pop("kv")
             kv_bytes = kv["total"] if kv else 0
-            floor = (wbytes + kv_bytes) / bw
+            floor = (wbytes + (kv["per_rank"]["total"] if kv else 0)) / bw  # a rank reads its slices in parallel
             step = r["decode_s"] / max(r["decode_steps"], 1)
             row = dict(bench="speed", config=args.config, method=method, batch=b, prompt=args.prompt, new=args.new,
                        **{k: v for k, v in r.items()}, **attn, step_ms=step * 1e3, floor_ms=floor * 1e3,
                        floor_frac=floor / step if step else 0.0,
                        kv_bytes_per_token=kv_bytes / (b * (args.prompt + args.new - 1)) if kv else None,
                        peak_gib=torch.cuda.max_memory_allocated() / 2**30, device=torch.cuda.get_device_name(),
-                       copy_tb_s=bw / 1e12)
+                       copy_tb_s=bw / 1e12, tp=args.tp)
             if b in hf:
                 row["hf_e2e_tok_s"] = hf[b]["e2e_tok_s"]
                 row["vs_hf"] = row["e2e_tok_s"] / hf[b]["e2e_tok_s"]
             rows.append(row)
+            llm.close()
             del llm
+    if not leader:
+        return
     fp16 = {r["batch"]: r["decode_tok_s"] for r in rows if r["method"] == "fp16"}
     for r in rows:
         if r["batch"] in fp16:
@@ -279,25 +298,33 @@ def cmd_capacity(args) -> None:
     from benchmarks.kernels import copy_bandwidth  # GPU only: it imports triton.testing
 
     bw = copy_bandwidth("cuda")
-    model = random_model(cfg, "cuda", dtype, args.ctx + args.new)
+    model, leader = tp_model(args, cfg, dtype, args.ctx + args.new)
     wbytes = weight_bytes_per_step(model)
     budget = int(args.budget_gb * 2**30)
     tokens = args.ctx + args.new
     rows = []
-    for method in tqdm(_methods(args.kv), desc="methods", file=sys.stderr):
-        shape = cache_shape(model, method, args)
+    for method in tqdm(_methods(args.kv), desc="methods", file=sys.stderr, disable=not leader):
+        shape = cache_shape(model, method, args)  # one rank's (a rank's budget holds its share of the heads)
         n = shape.sequences_in_budget(budget, tokens)
         per_seq = shape.bytes_per_sequence(tokens)
         row = dict(bench="capacity", config=args.config, method=method, ctx=args.ctx, budget_gb=args.budget_gb,
-                   max_seqs=n, bytes_per_seq=per_seq, device=torch.cuda.get_device_name())
+                   max_seqs=n, bytes_per_seq=per_seq * args.tp, device=torch.cuda.get_device_name(), tp=args.tp)
         if n and not args.no_decode:
             torch.cuda.empty_cache()
             llm = LLM(model, kv=method, device="cuda", max_batch=n, sink=args.sink, window=args.window,
-                      backend=args.backend, num_pages=n * shape.pages_needed(tokens))
+                      backend=args.backend, num_pages=n * shape.pages_needed(tokens), tp=args.tp)
+            llm.cache.randomize()
+            if not leader:
+                llm.follow()
+                del llm
+                continue
             step = synthetic_decode(llm, n, args.ctx, args.new)
+            llm.close()
             row.update(decode_tok_s=n / step, step_ms=step * 1e3, floor_ms=(wbytes + n * per_seq) / bw * 1e3)
             del llm
         rows.append(row)
+    if not leader:
+        return
     fp16 = next((r for r in rows if r["method"] == "fp16"), None)
     for r in rows:
         if fp16:
@@ -312,8 +339,8 @@ def cmd_capacity(args) -> None:
 
 def synthetic_decode(llm: LLM, batch: int, ctx: int, steps: int) -> float:
     """Median decode step time of `batch` sequences whose first ctx tokens are random KV, run by
-    the engine's own loop (a step's wall time is the GPU's once the pipeline is full)."""
-    llm.cache.randomize()
+    the engine's own loop (a step's wall time is the GPU's once the pipeline is full); the
+    caller has randomized the cache."""
     params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
     for _ in range(batch):
         llm.add_synthetic(ctx, params)
@@ -490,6 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
         s.add_argument("--new", type=int, default=128, help="new tokens per sequence (default 128)")
         s.add_argument("--plot", default=None, help="write a PNG plot here")
+        s.add_argument("--tp", type=int, default=1, metavar="N",
+                       help="tensor parallelism over N GPUs: run under `torchrun --nproc-per-node N bench.py ...`")
         if name == "speed":
             s.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
             s.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
@@ -499,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--profile", type=int, default=0, metavar="STEPS",
                            help="profile this many decode steps at the first batch size (table on stderr)")
         else:
-            s.add_argument("--budget-gb", type=float, required=True, help="KV memory budget in GiB")
+            s.add_argument("--budget-gb", type=float, required=True, help="KV memory budget in GiB (per GPU with --tp)")
             s.add_argument("--ctx", type=int, default=8192, help="context per sequence (default 8192)")
             s.add_argument("--no-decode", action="store_true", help="only count sequences")
 

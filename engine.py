@@ -21,6 +21,7 @@ from pathlib import Path
 
 import catalog
 import quant
+import tp
 from config import BACKENDS, EngineConfig
 from llm import LLM
 from sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps (debugging)")
     g.add_argument("--allow-pickle", action="store_true",
                    help="allow loading pickle .bin checkpoints (with torch.load weights_only=True)")
+    g.add_argument("--tp", type=int, default=d.tp, metavar="N",
+                   help="tensor parallelism over N GPUs, one process each: run under `torchrun --nproc-per-node N` "
+                        "(each GPU holds 1/N of the weights and of the KV heads; rank 0 prints and serves; default 1)")
     sampling = argparse.ArgumentParser(add_help=False)
     s = sampling.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
@@ -118,9 +122,24 @@ def settings_from_args(args) -> dict:
     """The LLM's settings, checked (EngineConfig raises on a bad value) before any model loads."""
     settings = dict(kv=args.kv, device=args.device, dtype=args.dtype, kv_budget_gb=args.kv_budget_gb,
                     max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, sink=args.sink, window=args.window, kv_plan=args.kv_plan,
-                    backend=args.backend, cuda_graphs=not args.eager, allow_pickle=args.allow_pickle)
+                    backend=args.backend, cuda_graphs=not args.eager, allow_pickle=args.allow_pickle, tp=args.tp)
     EngineConfig(**settings)
     return settings
+
+
+def is_follower(args) -> bool:
+    """A rank 1.. of a tensor-parallel run (torchrun sets RANK): it reads no prompts and prints nothing."""
+    return args.tp > 1 and int(os.environ.get("RANK", "0")) > 0
+
+
+def leader_llm(args, model=None, tokenizer=None) -> LLM | None:
+    """The command's LLM. On ranks 1.. of a tensor-parallel run the rank runs what rank 0 runs on
+    its slice until rank 0 closes its LLM, and None comes back: the command has nothing left to do."""
+    llm = LLM(args.model if model is None else model, tokenizer, **settings_from_args(args))
+    if llm.is_leader:
+        return llm
+    llm.follow()
+    return None
 
 
 def unescape(text: str) -> str:
@@ -172,8 +191,18 @@ def print_stats(llm: LLM, seconds: float, tokens: int) -> None:
 
 def cmd_generate(args) -> None:
     params = sampling_from_args(args)
-    prompts = read_prompts(args)
-    llm = LLM(args.model, **settings_from_args(args))
+    prompts = [] if is_follower(args) else read_prompts(args)
+    llm = leader_llm(args)
+    if llm is None:
+        return
+    try:
+        generate(llm, args, params, prompts)
+    finally:
+        llm.close()
+
+
+def generate(llm: LLM, args, params: SamplingParams, prompts: list[str]) -> None:
+    """Complete the prompts as one batch and print them (streamed when there is one)."""
     texts = prompts
     if args.chat_template:  # the rendered template already holds any BOS it wants
         prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_bos=False)
@@ -210,7 +239,17 @@ def cmd_chat(args) -> None:
     import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
 
     params = sampling_from_args(args)
-    llm = LLM(args.model, **settings_from_args(args))
+    llm = leader_llm(args)
+    if llm is None:
+        return
+    try:
+        chat(llm, args, params)
+    finally:
+        llm.close()
+
+
+def chat(llm: LLM, args, params: SamplingParams) -> None:
+    """The REPL: read a line, stream the answer, until Ctrl-D."""
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict] = list(system)
     print("nanokv chat: /reset clears the conversation, /save FILE and /load FILE keep it as JSON, "
@@ -275,7 +314,7 @@ def chat_file(command: str, path: str, messages: list[dict]) -> list[dict]:
 
 
 def cmd_serve(args) -> None:
-    settings = settings_from_args(args)
+    settings_from_args(args)  # bad settings fail before the server imports or a model loads
     if args.max_new_tokens < 1 or args.max_waiting < 1 or args.max_body_kb < 1:
         raise ValueError("--max-new-tokens, --max-waiting and --max-body-kb must be at least 1")
     try:
@@ -285,22 +324,29 @@ def cmd_serve(args) -> None:
     if args.config:
         import torch
 
+        import tp
         from shapes import TokenIdText, hf_config, random_model
 
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = getattr(torch, args.dtype or ("float16" if device == "cuda" else "float32"))
-        model = random_model(hf_config(args.config), device, dtype)
-        llm = LLM(model, TokenIdText(model.config.vocab_size), **settings)
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = getattr(torch, args.dtype or ("float16" if device.type == "cuda" else "float32"))
+        group = tp.init(args.tp, device) if args.tp > 1 else None
+        model = random_model(hf_config(args.config), group.device if group else device, dtype, tp=group)
+        llm = leader_llm(args, model, TokenIdText(model.config.vocab_size))
         name = args.config
     else:
-        llm = LLM(args.model, **settings)
+        llm = leader_llm(args)
         local = args.model and Path(args.model).exists()  # a hub id is its own name; a path, its last part
         name = Path(args.model).name.removesuffix(".gguf") if local else args.model or "SmolLM2-135M-Instruct"
+    if llm is None:
+        return
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
-    serve(llm, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name or name,
-          api_key=args.api_key, max_body_bytes=args.max_body_kb * 1024, max_waiting=args.max_waiting,
-          default_max_tokens=args.max_new_tokens)
+    try:
+        serve(llm, host=args.host, port=args.port, log_level=args.log_level, model_name=args.served_model_name or name,
+              api_key=args.api_key, max_body_bytes=args.max_body_kb * 1024, max_waiting=args.max_waiting,
+              default_max_tokens=args.max_new_tokens)
+    finally:
+        llm.close()
 
 
 def cmd_pull(args) -> None:
@@ -311,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "pull": cmd_pull}[args.command](args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, tp.RankLost) as e:
         raise SystemExit(f"error: {e}")
     except KeyboardInterrupt:  # e.g. while the model loads
         print(file=sys.stderr)

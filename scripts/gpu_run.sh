@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then benchmarks. Everything lands in one results.tgz under $OUT
 # (the device tool returns few files); the markdown tables are printed last.
-# usage: scripts/gpu_run.sh [tests] [kernels] [speed] [speed4k] [configs] [capacity]   (default: all)
+# usage: scripts/gpu_run.sh [tests] [kernels] [speed] [speed4k] [configs] [capacity] [tp] [tp70b]
+# (default: all but tp and tp70b, which need two GPUs: the nvidia-h200-x2 kind)
 set -uo pipefail
 FINAL=${OUT:-results}; mkdir -p "$FINAL"
 LOG=$(mktemp -d)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-tests kernels speed speed4k configs capacity}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast (KINDS.md)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$LOG/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$LOG/gpu.txt"
 cat "$LOG/gpu.txt"
@@ -35,6 +37,16 @@ for s in $stages; do
         run speed_$c ${T_SPEED:-420} python3 bench.py speed --config $c --kv ${CONFIGS_KV:-fp16,kitty} --batch 1,16 \
           --prompt 512 --new 128 --json "$LOG/speed_$c.jsonl"
       done ;;
+    tp)  # tensor parallelism on two GPUs: the CPU suite's checks over NCCL with CUDA graphs, then tp 1 vs 2
+      NANOKV_TEST_DEVICE=cuda run tests_tp ${T_TESTS:-300} python3 -m pytest -q tests/test_tp.py -k "not gguf_slices" -p no:cacheprovider
+      # bf16, the engine's default dtype on CUDA
+      run speed_tp1 ${T_SPEED:-420} python3 bench.py speed --config llama3-8b --kv ${TP_KV:-fp16,kitty} --batch 1,16 \
+        --prompt 512 --new 128 --dtype bfloat16 --json "$LOG/speed_tp.jsonl"
+      run speed_tp2 ${T_SPEED:-420} torchrun --nproc-per-node 2 bench.py speed --config llama3-8b --kv ${TP_KV:-fp16,kitty} \
+        --batch 1,16 --prompt 512 --new 128 --dtype bfloat16 --tp 2 --json "$LOG/speed_tp.jsonl" ;;
+    tp70b)  # a Llama-3-70B shape split over two H200s: sequences at 8k and decode there
+      run capacity_70b ${T_SPEED:-540} torchrun --nproc-per-node 2 bench.py capacity --config llama3-70b --tp 2 --dtype bfloat16 \
+        --budget-gb ${CAP70_GB:-50} --ctx 8192 --new 32 --kv ${TP_KV:-fp16,kitty} --json "$LOG/capacity_70b.jsonl" ;;
     capacity)
       run capacity 300 python3 bench.py capacity --config llama3-8b --budget-gb ${CAP_GB:-54} --ctx 8192 --new 32 \
         --kv ${CAP_KV:-fp16,kivi-k2v2,kitty,kitty-pro} --json "$LOG/capacity.jsonl" --plot "$FINAL/capacity.png" ;;
