@@ -436,6 +436,7 @@ class LLM:
                 except ValueError:  # no room: rank 0 raised the same to its caller, and goes on
                     pass
             elif message["then"] == "close":
+                self.tp.barrier()
                 return
 
     def _apply(self, op: dict) -> None:
@@ -458,6 +459,7 @@ class LLM:
         on one GPU; a second call does nothing."""
         if not self._closed and self.tp and self.tp.leader:
             self._lead("close")
+            self.tp.barrier()
         self._closed = True
 
 

@@ -89,6 +89,11 @@ class Group:
         self._call(dist.all_reduce, t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t)
 
+    def barrier(self) -> None:
+        """Wait until every rank is here. A rank must not exit while another is still finishing
+        the last message: gloo then sometimes aborts a process at exit (torch 2.13)."""
+        self._call(dist.barrier, group=self.control)
+
     def send(self, message: dict) -> None:
         """Rank 0: broadcast a JSON message to the followers (one broadcast if it is short)."""
         data = json.dumps(message, separators=(",", ":")).encode()
@@ -105,11 +110,11 @@ class Group:
         first = torch.empty(_FIRST_CHUNK, dtype=torch.uint8)
         self._call(dist.broadcast, first, 0, group=self.control)
         length = int(first[:8].view(torch.int64))
-        data = bytes(first[8:8 + min(length, _FIRST_CHUNK - 8)].tolist())
+        data = first[8:8 + min(length, _FIRST_CHUNK - 8)].numpy().tobytes()
         if length > len(data):
             rest = torch.empty(length - len(data), dtype=torch.uint8)
             self._call(dist.broadcast, rest, 0, group=self.control)
-            data += bytes(rest.tolist())
+            data += rest.numpy().tobytes()
         return json.loads(data)
 
     def _call(self, collective, *args, **kwargs) -> None:
@@ -118,8 +123,6 @@ class Group:
         NCCL's watchdog after COLLECTIVE_TIMEOUT, and torchrun takes the group down."""
         try:
             collective(*args, **kwargs)
-        except NotImplementedError:
-            raise
         except RuntimeError as e:
             raise RankLost(f"tensor parallel: another rank is gone, so rank {self.rank} stops too ({e})") from e
 
@@ -148,10 +151,14 @@ def init(size: int, device: torch.device) -> Group:
                              f"{torch.cuda.device_count()}")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=size,
-                                timeout=COLLECTIVE_TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    if device.type == "cuda":
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    else:  # gloo carries both in one group: with a second gloo group, processes sometimes abort at exit
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=rank, world_size=size, timeout=CONTROL_TIMEOUT)
+        control = dist.group.WORLD
     _group = Group(rank, size, device, dist.group.WORLD, control)
     return _group
 
