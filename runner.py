@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+import kernels
 import tp as tp_group
 from kvcache import KVCache
 from kvcache.cache import to_device
@@ -85,7 +86,7 @@ class ModelRunner:
         slots = self.cache.step_slots
         positions = self.cache.step_positions()
         logits = self.model(self.last_tokens[slots][:, None], positions, cache=self.cache)[:, -1]
-        tokens = logits.argmax(-1)
+        tokens = kernels.argmax(logits)
         self.last_tokens.index_copy_(0, slots, tokens)
         return logits, tokens
 

@@ -77,7 +77,8 @@ def attention_inputs(kv: str, batch: int, context: int, q_heads: int = 32, kv_he
 # Kernel variants timed side by side: "auto" (the default launch rule) or a compact launch spec,
 # dash-separated fields of attention.Launch: w<num_warps> s<step> p<num_stages> n<block_n>
 # k<num_splits> m<programs_per_sm> g<min_pages per split> t<recent_parts> r<maxnreg>, and "noasm" (Triton's
-# integer ops instead of the PTX unpack), e.g. "w2-s32-p3".
+# integer ops instead of the PTX unpack), e.g. "w2-s32-p3". Every variant is launched without programmatic
+# dependent launch (kernels/pdl.py), so that a timed call never overlaps the one before it in the ring.
 _FIELDS = {"w": "num_warps", "s": "step", "p": "num_stages", "n": "block_n", "k": "num_splits", "m": "programs_per_sm",
            "g": "min_pages", "t": "recent_parts", "r": "maxnreg"}
 
@@ -85,7 +86,7 @@ _FIELDS = {"w": "num_warps", "s": "step", "p": "num_stages", "n": "block_n", "k"
 def variant(spec: str) -> attention.Launch:
     """The Launch of a variant name (see above)."""
     if spec == "auto":
-        return attention.Launch()
+        return attention.Launch(pdl=False)
     fields = {}
     for part in spec.split("-"):
         if part == "noasm":
@@ -94,7 +95,7 @@ def variant(spec: str) -> attention.Launch:
             fields[_FIELDS[part[0]]] = int(part[1:])
         else:
             raise ValueError(f"unknown kernel variant field {part!r} in {spec!r} (fields: {', '.join(_FIELDS)}, noasm)")
-    return attention.Launch(**fields)
+    return attention.Launch(pdl=False, **fields)
 
 
 def ring_size(nbytes: int, device: torch.device | str = "cuda") -> int:

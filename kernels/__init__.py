@@ -11,7 +11,8 @@
                                                          # the model's per-token arithmetic
     kernels.store_token(dense_k, dense_v, k, v, slots, index)   # a decode step's K, V into the dense tier
     kernels.linear(x, weight, bias)                      # F.linear; decode shapes on CUDA: the fastest
-                                                         # of cuBLAS and a Triton GEMV, measured (linear.py)
+                                                         # of cuBLAS and a Triton GEMV, measured (matmul.py)
+    kernels.argmax(x)                                    # greedy tokens: each row's first maximum
 
 backend: "triton" or "torch"; None picks triton for CUDA tensors and torch otherwise.
 Triton on CPU tensors runs under the Triton interpreter (slow; for tests): whether a kernel is
@@ -21,7 +22,8 @@ and, for a CPU call, with TRITON_INTERPRET=1 set first.
 Both backends support every quant/ format and every option above (Triton needs a power-of-2
 head dim); each codec describes its page fields itself (codec.kernel_layout, quant/layout.py).
 Files: reference.py (torch oracle, off-GPU path), attention.py, quantize.py, elementwise.py,
-gemv.py (Triton), matmul.py (the per-shape choice of matmul kernel).
+gemv.py, greedy.py (Triton), matmul.py (the per-shape choice of matmul kernel), pdl.py (how
+the decode kernels overlap their launches: programmatic dependent launch).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def pick_backend(device: torch.device, backend: str | None = None) -> str:
 
 
 def _triton_module(name: str, device: torch.device) -> ModuleType:
-    """kernels.attention, .quantize or .elementwise, imported for this device (interpreted on CPU)."""
+    """kernels.attention, .quantize, .elementwise or .greedy, imported for this device (interpreted on CPU)."""
     full = f"{__name__}.{name}"
     if device.type != "cuda" and full not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -120,6 +122,13 @@ def store_token(dense_k: Tensor, dense_v: Tensor, k: Tensor, v: Tensor, slots: T
     _implementation("elementwise", k.device, backend).store_token(dense_k, dense_v, k, v, slots, index)
 
 
+def argmax(x: Tensor, backend: str | None = None) -> Tensor:
+    """Index of each row's maximum, x [rows, n] -> int64 [rows] (the first on ties, as torch.argmax)."""
+    if pick_backend(x.device, backend) == "torch":
+        return x.argmax(-1)
+    return _triton_module("greedy", x.device).argmax(x)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias). On CUDA, inputs of at most 16 rows (decode) take whichever of
     cuBLAS and the Triton GEMV measured fastest for this weight shape."""
@@ -131,5 +140,5 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 Tiers = reference.Tiers
 causal_attention = reference.causal_attention
 
-__all__ = ["BACKENDS", "Tiers", "add_rms_norm", "apply_rope", "causal_attention", "decode_attention", "encode_pages", "linear", "pick_backend",
+__all__ = ["BACKENDS", "Tiers", "add_rms_norm", "argmax", "apply_rope", "causal_attention", "decode_attention", "encode_pages", "linear", "pick_backend",
            "reference", "rms_norm", "silu_mul", "store_token"]

@@ -58,6 +58,7 @@ from triton.runtime.jit import constexpr_function
 from quant import NF4_LEVELS, PAGE_TOKENS
 from quant.layout import Layout
 
+from .pdl import kernel_options, wait_then_release
 from .reference import Tiers
 
 LOG2E = 1.4426950408889634
@@ -475,7 +476,9 @@ def _split_kernel(
     V_BITS: tl.constexpr, V_ROWS: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_S_PAGE: tl.constexpr,
     V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, V_N_HIGH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)  # every program, the empty splits too (pdl.py)
     bh = tl.program_id(0)
     part = tl.program_id(1)
     split = part - TIERS  # page split >= 0; part 0: the sink; parts 1 .. TIERS-1: chunks of the recent tier
@@ -558,13 +561,14 @@ def _split_kernel(
 @triton.jit
 def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, UNROT, num_splits, M, H: tl.constexpr, D: tl.constexpr,
                   D_BLOCK: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, TIERS: tl.constexpr, CHUNK: tl.constexpr,
-                  RETURN_LSE: tl.constexpr, ROTATED: tl.constexpr):
+                  RETURN_LSE: tl.constexpr, ROTATED: tl.constexpr, PDL: tl.constexpr):
     """out[bh, m] = sum over the row's written partials of o_s * 2^lse_s / sum 2^lse_s (0 if no
     split saw a token), and optionally the total log-sum-exp in natural log. The partials are the
     FP16 tiers' TIERS parts and the row's live page splits (_page_split), read CHUNK at a time; each
     program merges D_BLOCK channels (at batch 1 there are few rows, so channels give the parallelism).
     ROTATED: the page partials are in the pages' rotated domain; their weighted sum (all D channels)
     is mapped back with UNROT [D, D] here, once per row, instead of once per split in the split kernel."""
+    wait_then_release(PDL)
     bh = tl.program_id(0)
     m = tl.program_id(1)
     d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
@@ -630,6 +634,7 @@ class Launch:
     num_stages: int | None = None
     maxnreg: int | None = None
     asm: bool | None = None
+    pdl: bool | None = None
 
 
 def _scratch(shape: tuple[int, ...], device: torch.device) -> Tensor:
@@ -678,6 +683,10 @@ NUM_STAGES = 1
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
 # (up to ~128) splits should take one or two rounds, not eight.
 MERGE_CHUNK = 64
+# Programmatic dependent launch (pdl.py) for the attention's kernels up to this batch: at batch 1
+# the step gained 4-5% with it (Llama-3-8B shape, H100), while at batch 16 kitty's step lost 2-4%
+# with it on the attention and was level with it off (README, "Decode step").
+PDL_MAX_BATCH = 4
 BLOCK_N_MIN = 8
 
 
@@ -765,6 +774,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     options = dict(num_warps=warps, num_stages=launch.num_stages or NUM_STAGES)
     if launch.maxnreg:
         options["maxnreg"] = launch.maxnreg
+    pdl = kernel_options(q.device if launch.pdl or (launch.pdl is None and B <= PDL_MAX_BATCH) else None)
     _split_kernel[(B * H, n_parts, n_blocks)](
         q4, qp, unrot, nf4_levels(q.device), n_pages if slots is None else slots,  # (SLOTS unread without slots)
         page_table, n_pages, sink_k, sink_v, n_sink,
@@ -780,12 +790,12 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         ROTATED=fmt.rotated, NB_PAD=max(16, triton.next_power_of_2(kl.n_high)),
         HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None, ASM=not INTERPRETED if asm is None else asm,
         ONE_PROGRAM=one, RETURN_LSE=return_lse,
-        **kl.constexprs("K_"), **vl.constexprs("V_"), **options,
+        **kl.constexprs("K_"), **vl.constexprs("V_"), **options, **pdl,
     )
     if not one:
         d_block = min(D, 32)
         _merge_kernel[(B * H, M, D // d_block)](o_part, lse_part, out, lse, n_pages, unrot, num_splits, M, H=H, D=D,
                                   D_BLOCK=d_block, MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, TIERS=tiers,
                                   CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(n_parts)), RETURN_LSE=return_lse,
-                                  ROTATED=fmt.rotated)
+                                  ROTATED=fmt.rotated, **pdl)
     return (out, lse) if return_lse else out

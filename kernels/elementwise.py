@@ -16,16 +16,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from .pdl import kernel_options, wait_then_release
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps, ADD: tl.constexpr, PDL: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     ty = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait (pdl.py)
+    wait_then_release(PDL)
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if ADD:  # the residual sum, rounded as the torch add rounds it, is both stored and normalised
         x = (x.to(tl.float32) + tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)).to(ty)
@@ -33,7 +38,6 @@ def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps, ADD: tl
     x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
     normed = (x * rstd).to(ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (normed * w).to(ty), mask=mask)
 
 
@@ -44,7 +48,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     out = torch.empty_like(rows)
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows.shape[0],)](rows, rows, w_ptr=weight, sum_ptr=rows, out_ptr=out, n_cols=n, eps=eps,
-                                       ADD=False, BLOCK=block, num_warps=min(8, max(1, block // 512)))
+                                       ADD=False, BLOCK=block, num_warps=min(8, max(1, block // 512)),
+                                       **kernel_options(x.device))
     return out.view(x.shape)
 
 
@@ -55,14 +60,16 @@ def add_rms_norm(x: Tensor, h: Tensor, weight: Tensor, eps: float) -> tuple[Tens
     total, out = torch.empty_like(rows), torch.empty_like(rows)
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows.shape[0],)](rows, add, w_ptr=weight, sum_ptr=total, out_ptr=out, n_cols=n, eps=eps,
-                                       ADD=True, BLOCK=block, num_warps=min(8, max(1, block // 512)))
+                                       ADD=True, BLOCK=block, num_warps=min(8, max(1, block // 512)),
+                                       **kernel_options(x.device))
     return total.view(x.shape), out.view(x.shape)
 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, T, sx_b, sx_h, sx_t, sc_b, sc_t, HALF: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 PDL: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)  # one (batch, head, token) row
+    wait_then_release(PDL)
     t, h, b = pid % T, (pid // T) % H, pid // (T * H)
     i = tl.arange(0, BLOCK)
     mask = i < HALF
@@ -92,13 +99,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = D // 2
     _rope_kernel[(B * H * T,)](x, cos, sin, out, H, T, x.stride(0), x.stride(1), x.stride(2),
                                cos.stride(0), cos.stride(2), HALF=half, BLOCK=triton.next_power_of_2(half),
-                               num_warps=1)
+                               num_warps=1, **kernel_options(x.device))
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, gate_row_stride, up_row_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, gate_row_stride, up_row_stride, PDL: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    wait_then_release(PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask).to(tl.float32)
@@ -118,14 +127,16 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     out = torch.empty(gate_rows.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
     grid = (gate_rows.shape[0], triton.cdiv(n, block))
-    _silu_mul_kernel[grid](gate_rows, up_rows, out, n, gate_rows.stride(0), up_rows.stride(0), BLOCK=block, num_warps=4)
+    _silu_mul_kernel[grid](gate_rows, up_rows, out, n, gate_rows.stride(0), up_rows.stride(0), BLOCK=block, num_warps=4,
+                           **kernel_options(gate.device))
     return out.view(gate.shape)
 
 
 @triton.jit
 def _store_token_kernel(k_ptr, v_ptr, dense_k_ptr, dense_v_ptr, slots_ptr, index_ptr, H,
-                        s_k_b, s_k_h, s_v_b, s_v_h, s_d_slot, s_d_h, s_d_t, D: tl.constexpr):
+                        s_k_b, s_k_h, s_v_b, s_v_h, s_d_slot, s_d_h, s_d_t, D: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)  # one (batch row, kv head)
+    wait_then_release(PDL)
     b, h = pid // H, pid % H
     slot = tl.load(slots_ptr + b).to(tl.int64)
     t = tl.load(index_ptr + b).to(tl.int64)
@@ -145,7 +156,7 @@ def store_token(dense_k: Tensor, dense_v: Tensor, k: Tensor, v: Tensor, slots: T
         raise ValueError(f"store_token needs a power-of-2 head dim, got {D}")
     _store_token_kernel[(B * H,)](k, v, dense_k, dense_v, slots, index, H, k.stride(0), k.stride(1),
                                   v.stride(0), v.stride(1), dense_k.stride(0), dense_k.stride(1), dense_k.stride(2),
-                                  D=D, num_warps=1)
+                                  D=D, num_warps=1, **kernel_options(k.device))
 
 
 INTERPRETED = isinstance(_rms_norm_kernel, InterpretedFunction)

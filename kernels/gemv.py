@@ -25,6 +25,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from .pdl import kernel_options, prefetch_weights, wait_then_release
+
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -37,7 +39,7 @@ class GemvConfig:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, s_xm, s_om, k_per_split,
-                 HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, ROW_X: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, ROW_X: tl.constexpr, PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     k_begin = tl.program_id(1) * k_per_split
@@ -45,6 +47,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, s_xm, s_om, k_per_spl
     n_ok = n < N
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
+    # the first strip of weights starts towards L2 while the kernel that writes x finishes (pdl.py)
+    prefetch_weights(w_rows + tl.minimum(k_begin + tl.arange(0, BLOCK_K // 64) * 64, K - 1)[None, :], PDL)
+    wait_then_release(PDL)
     if ROW_X:  # one input row: fp32 multiply-adds, reduced once after the loop
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
@@ -76,8 +81,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, s_xm, s_om, k_per_spl
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> Tensor:
-    """x [M, K] (unit last stride) @ weight[N, K]^T + bias, for M <= 16; result [M, N] in x's dtype."""
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig, pdl: bool = True) -> Tensor:
+    """x [M, K] (unit last stride) @ weight[N, K]^T + bias, for M <= 16; result [M, N] in x's dtype.
+    pdl=False: launched in plain stream order even where programmatic dependent launch is on (pdl.py)."""
     M, K = x.shape
     N = weight.shape[0]
     if M > 16 or x.stride(-1) != 1 or not weight.is_contiguous():
@@ -93,7 +99,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> 
     _gemv_kernel[grid](x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), out.stride(0),
                        k_per_split, HAS_BIAS=bias is not None, ATOMIC=atomic, ROW_X=row_x, BLOCK_M=16,
                        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-                       num_stages=config.num_stages)
+                       num_stages=config.num_stages, **kernel_options(x.device if pdl else None))
     return out.to(x.dtype) if atomic else out
 
 

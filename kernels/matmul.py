@@ -77,7 +77,9 @@ def time_candidates(rows: int, weight: Tensor, bias: Tensor | None = None) -> li
                 F.linear(x, w, bias)
         else:
             def call(w, c=c):
-                gemv(x, w, bias, c)
+                # without PDL (kernels/pdl.py): back-to-back copies of one GEMV would overlap each
+                # other's start, which a decode step, where small kernels sit between them, never sees
+                gemv(x, w, bias, c, pdl=False)
         results.append((c, _graph_time_us(call, ring)))
     return results
 

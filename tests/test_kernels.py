@@ -31,7 +31,7 @@ import quant  # noqa: E402
 from quant.kvmix import kvmix_format  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels import attention, elementwise, gemv, matmul, quantize, reference  # noqa: E402
+from kernels import attention, elementwise, gemv, greedy, matmul, pdl, quantize, reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.float16 if CUDA else torch.float32  # q / dot operand type
@@ -397,3 +397,66 @@ def test_linear_picks_a_kernel_that_matches_f_linear(rows):
     assert (got.float() - ref).abs().max() < TOL * ref.abs().max()
     if rows <= matmul.MAX_ROWS:
         assert matmul._key(rows, w) in matmul._chosen
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+def test_argmax_matches_torch_with_ties(dtype):
+    """Each row's first maximum, as torch.argmax: rows of several chunks and a partial last one,
+    a maximum repeated inside a chunk, in two chunks, at the last column, from a strided view."""
+    g = torch.Generator().manual_seed(9)
+    n = 2 * greedy.CHUNK + 123
+    x = torch.randn(5, n + 7, generator=g)[:, :n].to(DEVICE, dtype)
+    x[1, [5, 17]] = 9.0  # two in one chunk: 5
+    x[2, [greedy.CHUNK + 3, 2 * greedy.CHUNK + 1]] = 9.0  # two chunks: the first
+    x[3, n - 1] = 9.0  # the last column (in the partial chunk)
+    x[4] = 0.5  # all equal: 0
+    got = greedy.argmax(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == x.argmax(-1).tolist() == [got[0].item(), 5, greedy.CHUNK + 3, n - 1, 0]
+
+
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU of compute capability 9.0+")
+def test_pdl_chain_in_a_cuda_graph_matches_torch():
+    """Kernels that start before their predecessor ends (pdl.py), captured in a CUDA graph and
+    replayed on new inputs: a GEMV -> add+RMSNorm -> GEMV -> SiLU -> GEMV -> argmax chain whose
+    every kernel reads the one before it equals the same chain in torch, replay after replay."""
+    if not pdl.enabled(DEVICE):
+        pytest.skip("PDL is off on this GPU (compute capability < 9.0 or NANOKV_PDL=0)")
+    g = torch.Generator().manual_seed(2)
+    D, F = 1024, 2816
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEVICE, DTYPE)
+
+    w_in, w_gate_up, w_down, norm = rand(D, D, scale=D**-0.5), rand(2 * F, D, scale=D**-0.5), rand(D, F, scale=F**-0.5), rand(D)
+    x = torch.empty(1, D, device=DEVICE, dtype=DTYPE)
+    tile = matmul.ONE_ROW_TILES[0]
+
+    def chain():
+        h = gemv.gemv(x, w_in, None, tile)
+        total, normed = elementwise.add_rms_norm(h, x, norm, 1e-6)
+        gate, up = gemv.gemv(normed, w_gate_up, None, tile).chunk(2, dim=-1)
+        out = gemv.gemv(elementwise.silu_mul(gate, up), w_down, None, tile) + total
+        return out, greedy.argmax(out)
+
+    def torch_chain():
+        h = (x.float() @ w_in.float().T).to(DTYPE)
+        total, normed = reference.add_rms_norm(h, x, norm, 1e-6)
+        gate, up = (normed.float() @ w_gate_up.float().T).to(DTYPE).chunk(2, dim=-1)
+        return (reference.silu_mul(gate, up).float() @ w_down.float().T).to(DTYPE) + total
+
+    x.copy_(rand(1, D))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, index = chain()
+    for _ in range(20):
+        x.copy_(rand(1, D))
+        graph.replay()
+        expect = torch_chain()
+        assert (out.float() - expect.float()).abs().max() < 2e-2 * expect.float().abs().max()
+        assert index.item() == out.argmax(-1).item()
