@@ -30,8 +30,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="number of prompts")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per prompt")
     parser.add_argument("--top", type=float, default=0.2, help="fraction of layers that get more bits")
-    parser.add_argument("--k-high", type=int, default=3, help="key bits of the top layers")
+    parser.add_argument("--k-high", type=int, default=4, help="key bits of the top layers")
     parser.add_argument("--v-high", type=int, default=4, help="value bits of the top layers")
+    parser.add_argument("--k-low", type=int, default=3,
+                        help="key bits of the other layers (3: 2-bit keys over a 128-token page cost most of the error)")
+    parser.add_argument("--v-low", type=int, default=2, help="value bits of the other layers")
     parser.add_argument("--ratios", default="0.2,0.1", metavar="TOP,REST",
                         help="share of the context each layer keeps in FP16 (recent pivotal context): the top layers "
                              "by combined K+V importance, the rest (default 0.2,0.1, the paper's)")
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [ids[i * args.tokens:(i + 1) * args.tokens] for i in range(n)]
     k_imp, v_imp = layer_importance(model, prompts)
     name = args.model or "SmolLM2-135M-Instruct (default)"
-    plan = plan_from_importance(k_imp, v_imp, args.top, args.k_high, args.v_high,
+    plan = plan_from_importance(k_imp, v_imp, args.top, args.k_high, args.v_high, args.k_low, args.v_low,
                                 window_ratio=(top_ratio, rest_ratio), model=name)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     plan.save(args.out)
