@@ -124,9 +124,7 @@ def store_token(dense_k: Tensor, dense_v: Tensor, k: Tensor, v: Tensor, slots: T
 
 def argmax(x: Tensor, backend: str | None = None) -> Tensor:
     """Index of each row's maximum, x [rows, n] -> int64 [rows] (the first on ties, as torch.argmax)."""
-    if pick_backend(x.device, backend) == "torch":
-        return x.argmax(-1)
-    return _triton_module("greedy", x.device).argmax(x)
+    return _implementation("greedy", x.device, backend).argmax(x)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -774,7 +774,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     options = dict(num_warps=warps, num_stages=launch.num_stages or NUM_STAGES)
     if launch.maxnreg:
         options["maxnreg"] = launch.maxnreg
-    pdl = kernel_options(q.device if launch.pdl or (launch.pdl is None and B <= PDL_MAX_BATCH) else None)
+    pdl = kernel_options(q.device, B <= PDL_MAX_BATCH if launch.pdl is None else launch.pdl)
     _split_kernel[(B * H, n_parts, n_blocks)](
         q4, qp, unrot, nf4_levels(q.device), n_pages if slots is None else slots,  # (SLOTS unread without slots)
         page_table, n_pages, sink_k, sink_v, n_sink,

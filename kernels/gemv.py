@@ -99,7 +99,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig, pdl
     _gemv_kernel[grid](x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), out.stride(0),
                        k_per_split, HAS_BIAS=bias is not None, ATOMIC=atomic, ROW_X=row_x, BLOCK_M=16,
                        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-                       num_stages=config.num_stages, **kernel_options(x.device if pdl else None))
+                       num_stages=config.num_stages, **kernel_options(x.device, pdl))
     return out.to(x.dtype) if atomic else out
 
 

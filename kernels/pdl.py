@@ -64,8 +64,9 @@ def wait_then_release(PDL: tl.constexpr):
 
 
 
-def kernel_options(device: torch.device | None) -> dict:
+def kernel_options(device: torch.device, wanted: bool = True) -> dict:
     """Keyword arguments for a launch of a kernel that takes a `PDL` constexpr: the constexpr, and
-    the launch option when PDL is on (the interpreter takes no such option). None: PDL off."""
-    pdl = device is not None and enabled(device)
+    the launch option when PDL is on (the interpreter takes no such option). wanted=False: off
+    for this launch."""
+    pdl = wanted and enabled(device)
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}

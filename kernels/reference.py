@@ -205,3 +205,8 @@ def store_token(dense_k: Tensor, dense_v: Tensor, k: Tensor, v: Tensor, slots: T
     """Write the decode step's k, v [B, H, D] of row b into dense_k/v[slots[b], :, index[b]]."""
     dense_k[slots, :, index.long()] = k.to(dense_k.dtype)
     dense_v[slots, :, index.long()] = v.to(dense_v.dtype)
+
+
+def argmax(x: Tensor) -> Tensor:
+    """Index of each row's maximum, x [rows, n] -> int64 [rows] (the first on ties)."""
+    return x.argmax(-1)
