@@ -226,16 +226,14 @@ class Attention(nn.Module):
         v = qkv[:, H + Hkv:]
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H:H + Hkv])
-            if rope is not None:
-                q, k = kernels.apply_rope(q, *rope), kernels.apply_rope(k, *rope)
-        elif rope is not None:  # q and k heads are adjacent: one rotation for both
-            q, k = kernels.apply_rope(qkv[:, :H + Hkv], *rope).split((H, Hkv), dim=1)
         else:
             q, k = qkv[:, :H], qkv[:, H:H + Hkv]
-        if cache is None:
-            o = kernels.causal_attention(q, k, v, self.sliding_window)
+        if cache is not None:  # the cache rotates q and k (at decode, in the kernel that stores k and v)
+            o = cache.attend(self.layer_idx, q, k, v, rope)
         else:
-            o = cache.attend(self.layer_idx, q, k, v)
+            if rope is not None:
+                q, k = kernels.apply_rope(q, *rope), kernels.apply_rope(k, *rope)
+            o = kernels.causal_attention(q, k, v, self.sliding_window)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -9,7 +9,8 @@
     kernels.rms_norm(x, weight, eps), kernels.add_rms_norm(x, h, weight, eps) -> (x + h, its norm),
     kernels.apply_rope(x, cos, sin), kernels.silu_mul(gate, up)
                                                          # the model's per-token arithmetic
-    kernels.store_token(dense_k, dense_v, k, v, slots, index)   # a decode step's K, V into the dense tier
+    kernels.rope_store(q, k, v, cos, sin, dense_k, dense_v, slots, index) -> rotated q
+                                                         # a decode step's RoPE, and its K, V into the dense tier
     kernels.linear(x, weight, bias)                      # F.linear; decode shapes on CUDA: the fastest
                                                          # of cuBLAS and a Triton GEMV, measured (matmul.py)
     kernels.argmax(x)                                    # greedy tokens: each row's first maximum
@@ -116,10 +117,13 @@ def silu_mul(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
     return _implementation("elementwise", gate.device, backend).silu_mul(gate, up)
 
 
-def store_token(dense_k: Tensor, dense_v: Tensor, k: Tensor, v: Tensor, slots: Tensor, index: Tensor,
-                backend: str | None = None) -> None:
-    """Write k, v [B, H, D] of row b into dense_k/v[slots[b], :, index[b]], in place."""
-    _implementation("elementwise", k.device, backend).store_token(dense_k, dense_v, k, v, slots, index)
+def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, dense_k: Tensor,
+               dense_v: Tensor, slots: Tensor, index: Tensor, backend: str | None = None) -> Tensor:
+    """A decode step's rotary embedding and K/V store: q [B, Hq, D] and k [B, H, D] rotated by
+    cos/sin [B, D] (None: no rotation), the rotated k and v of row b written into
+    dense_k/v[slots[b], :, index[b]] in place; returns the rotated q."""
+    return _implementation("elementwise", q.device, backend).rope_store(q, k, v, cos, sin, dense_k, dense_v, slots,
+                                                                         index)
 
 
 def argmax(x: Tensor, backend: str | None = None) -> Tensor:
@@ -139,4 +143,4 @@ Tiers = reference.Tiers
 causal_attention = reference.causal_attention
 
 __all__ = ["BACKENDS", "Tiers", "add_rms_norm", "argmax", "apply_rope", "causal_attention", "decode_attention", "encode_pages", "linear", "pick_backend",
-           "reference", "rms_norm", "silu_mul", "store_token"]
+           "reference", "rms_norm", "rope_store", "silu_mul"]

@@ -1,7 +1,8 @@
 """Triton kernels for the model's per-token arithmetic between the matmuls: RMSNorm (alone or
-after the residual add), RoPE and the SiLU gate, each one kernel instead of the 2 to 8 that the torch expressions launch, and the
-store of a decode step's new K and V into the cache's dense tier (one kernel for both, in
-place of two index-put kernels and their index arithmetic).
+after the residual add), RoPE and the SiLU gate, each one kernel instead of the 2 to 8 that the torch expressions launch, and,
+at a decode step, the rotation of q and k together with the store of the new K and V into the
+cache's dense tier (one kernel, in place of a rotation and two index-put kernels with their
+index arithmetic).
 
 A decode step of a 32-layer model otherwise runs over a thousand such tiny kernels; inside a
 CUDA graph each still costs a couple of microseconds, which at batch 1 is a large share of a
@@ -66,24 +67,37 @@ def add_rms_norm(x: Tensor, h: Tensor, weight: Tensor, eps: float) -> tuple[Tens
 
 
 @triton.jit
+def _rotated(x_ptr, cos_ptr, sin_ptr, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """The halves (x1, x2) of one head's row at x_ptr, float32, rotated by cos/sin (rotate_half
+    convention: channel i pairs with i + HALF) when ROPE."""
+    i = tl.arange(0, BLOCK)
+    mask = i < HALF
+    x1 = tl.load(x_ptr + i, mask=mask).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + i, mask=mask).to(tl.float32)
+    if ROPE:
+        c1, c2 = tl.load(cos_ptr + i, mask=mask).to(tl.float32), tl.load(cos_ptr + HALF + i, mask=mask).to(tl.float32)
+        s1, s2 = tl.load(sin_ptr + i, mask=mask).to(tl.float32), tl.load(sin_ptr + HALF + i, mask=mask).to(tl.float32)
+        x1, x2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    return x1, x2
+
+
+@triton.jit
+def _store_halves(ptr, x1, x2, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    ty = ptr.dtype.element_ty
+    tl.store(ptr + i, x1.to(ty), mask=i < HALF)
+    tl.store(ptr + HALF + i, x2.to(ty), mask=i < HALF)
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, T, sx_b, sx_h, sx_t, sc_b, sc_t, HALF: tl.constexpr,
                  PDL: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)  # one (batch, head, token) row
     wait_then_release(PDL)
     t, h, b = pid % T, (pid // T) % H, pid // (T * H)
-    i = tl.arange(0, BLOCK)
-    mask = i < HALF
-    x = x_ptr + b * sx_b + h * sx_h + t * sx_t
-    x1 = tl.load(x + i, mask=mask).to(tl.float32)
-    x2 = tl.load(x + HALF + i, mask=mask).to(tl.float32)
-    c = cos_ptr + b * sc_b + t * sc_t
-    s = sin_ptr + b * sc_b + t * sc_t
-    out = out_ptr + pid * 2 * HALF
-    ty = out_ptr.dtype.element_ty
-    y1 = x1 * tl.load(c + i, mask=mask).to(tl.float32) - x2 * tl.load(s + i, mask=mask).to(tl.float32)
-    y2 = x2 * tl.load(c + HALF + i, mask=mask).to(tl.float32) + x1 * tl.load(s + HALF + i, mask=mask).to(tl.float32)
-    tl.store(out + i, y1.to(ty), mask=mask)
-    tl.store(out + HALF + i, y2.to(ty), mask=mask)
+    x1, x2 = _rotated(x_ptr + b * sx_b + h * sx_h + t * sx_t, cos_ptr + b * sc_b + t * sc_t,
+                      sin_ptr + b * sc_b + t * sc_t, True, HALF, BLOCK)
+    _store_halves(out_ptr + pid * 2 * HALF, x1, x2, HALF, BLOCK)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -133,30 +147,47 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 
 
 @triton.jit
-def _store_token_kernel(k_ptr, v_ptr, dense_k_ptr, dense_v_ptr, slots_ptr, index_ptr, H,
-                        s_k_b, s_k_h, s_v_b, s_v_h, s_d_slot, s_d_h, s_d_t, D: tl.constexpr, PDL: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)  # one (batch row, kv head)
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, dense_k_ptr, dense_v_ptr, slots_ptr,
+                       index_ptr, HQ, s_q_b, s_q_h, s_k_b, s_k_h, s_v_b, s_v_h, s_c_b, s_d_slot, s_d_h, s_d_t,
+                       ROPE: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # q heads 0 .. HQ-1, then the kv heads
     wait_then_release(PDL)
-    b, h = pid // H, pid % H
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    t = tl.load(index_ptr + b).to(tl.int64)
-    d = tl.arange(0, D)
-    dst = slot * s_d_slot + h * s_d_h + t * s_d_t + d
-    ty = dense_k_ptr.dtype.element_ty
-    tl.store(dense_k_ptr + dst, tl.load(k_ptr + b * s_k_b + h * s_k_h + d).to(ty))
-    tl.store(dense_v_ptr + dst, tl.load(v_ptr + b * s_v_b + h * s_v_h + d).to(ty))
+    cos, sin = cos_ptr + b * s_c_b, sin_ptr + b * s_c_b
+    if head < HQ:
+        q1, q2 = _rotated(q_ptr + b * s_q_b + head * s_q_h, cos, sin, ROPE, HALF, HALF)
+        _store_halves(q_out_ptr + (b * HQ + head) * 2 * HALF, q1, q2, HALF, HALF)
+    else:
+        h = head - HQ
+        dst = tl.load(slots_ptr + b).to(tl.int64) * s_d_slot + h * s_d_h + tl.load(index_ptr + b).to(tl.int64) * s_d_t
+        k1, k2 = _rotated(k_ptr + b * s_k_b + h * s_k_h, cos, sin, ROPE, HALF, HALF)
+        _store_halves(dense_k_ptr + dst, k1, k2, HALF, HALF)
+        v1, v2 = _rotated(v_ptr + b * s_v_b + h * s_v_h, cos, sin, False, HALF, HALF)
+        _store_halves(dense_v_ptr + dst, v1, v2, HALF, HALF)
 
 
-def store_token(dense_k: Tensor, dense_v: Tensor, k: Tensor, v: Tensor, slots: Tensor, index: Tensor) -> None:
-    """Write k, v [B, H, D] (any strides, unit last) of row b into dense_k/v[slots[b], :, index[b]]."""
-    B, H, D = k.shape
-    if dense_k.stride() != dense_v.stride() or dense_k.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("store_token needs unit last strides and dense K and V buffers of one layout")
-    if D & (D - 1):
-        raise ValueError(f"store_token needs a power-of-2 head dim, got {D}")
-    _store_token_kernel[(B * H,)](k, v, dense_k, dense_v, slots, index, H, k.stride(0), k.stride(1),
-                                  v.stride(0), v.stride(1), dense_k.stride(0), dense_k.stride(1), dense_k.stride(2),
-                                  D=D, num_warps=1, **kernel_options(k.device))
+def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, dense_k: Tensor,
+               dense_v: Tensor, slots: Tensor, index: Tensor) -> Tensor:
+    """A decode step's rotary embedding and K/V store in one kernel: q [B, Hq, D] and k [B, H, D]
+    rotated by cos/sin [B, D] (None: not rotated), the rotated k and v written into
+    dense_k/v[slots[b], :, index[b]]; returns the rotated q, contiguous. Inputs: any strides with a
+    unit last one."""
+    B, Hq, D = q.shape
+    H = k.shape[1]
+    rope = cos is not None
+    if dense_k.stride() != dense_v.stride() or any(t.stride(-1) != 1 for t in (q, k, v, dense_k)):
+        raise ValueError("rope_store needs unit last strides and dense K and V buffers of one layout")
+    if rope and (cos.stride(-1) != 1 or cos.stride() != sin.stride()):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if D & (D - 1) or D < 2:
+        raise ValueError(f"rope_store needs a power-of-2 head dim, got {D}")
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    _rope_store_kernel[(B, Hq + H)](q, k, v, cos if rope else q, sin if rope else q, out, dense_k, dense_v, slots,
+                                    index, Hq, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                                    v.stride(1), cos.stride(0) if rope else 0, dense_k.stride(0), dense_k.stride(1),
+                                    dense_k.stride(2), ROPE=rope, HALF=D // 2, num_warps=1,
+                                    **kernel_options(q.device))
+    return out
 
 
 INTERPRETED = isinstance(_rms_norm_kernel, InterpretedFunction)

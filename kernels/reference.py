@@ -1,5 +1,5 @@
 """Torch reference of the kernels: tiered decode attention, causal attention among new tokens,
-page encoding, and the model's per-token arithmetic (RMSNorm, residual add + RMSNorm, RoPE, SiLU gate, the store of a decode step's K and V).
+page encoding, and the model's per-token arithmetic (RMSNorm, residual add + RMSNorm, RoPE, SiLU gate, a decode step's RoPE with the store of its K and V).
 
 This is the oracle the Triton kernels are tested against and the path the cache takes
 off-GPU. It favours clarity over speed but is batched and vectorised: pages are gathered
@@ -201,10 +201,15 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def store_token(dense_k: Tensor, dense_v: Tensor, k: Tensor, v: Tensor, slots: Tensor, index: Tensor) -> None:
-    """Write the decode step's k, v [B, H, D] of row b into dense_k/v[slots[b], :, index[b]]."""
+def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, dense_k: Tensor,
+               dense_v: Tensor, slots: Tensor, index: Tensor) -> Tensor:
+    """A decode step's q [B, Hq, D] and k [B, H, D] rotated by cos/sin [B, D] (None: not rotated);
+    the rotated k and v of row b written into dense_k/v[slots[b], :, index[b]]. Returns the rotated q."""
+    if cos is not None:
+        q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
     dense_k[slots, :, index.long()] = k.to(dense_k.dtype)
     dense_v[slots, :, index.long()] = v.to(dense_v.dtype)
+    return q
 
 
 def argmax(x: Tensor) -> Tensor:

@@ -13,7 +13,8 @@ memory budget with the format's real bytes per page; page j of a sequence holds 
 sink + 128 j .. sink + 128 j + 127 in every layer, so one page table serves all layers, even
 when layers keep windows of different lengths (KVmix).
 
-The model calls `attend(layer, q, k, v)` once per layer; the engine brackets a forward with
+The model calls `attend(layer, q, k, v, rope)` once per layer, with q and k not yet rotated: at a
+decode step the rotation, the store of the new K and V and nothing else is one kernel; the engine brackets a forward with
 `begin_step(slots, n_new)` and `end_step()`, and manages sequences with `admit` / `release`.
 The cache is method-agnostic: the format (quant/) says what a layer's pages store, its sink and
 its windows; kernels/ encodes pages and attends over them; tiers.py holds the tier rule.
@@ -202,21 +203,29 @@ class KVCache:
         """The device slots of the current step's rows (scratch-padded)."""
         return self._step.slots_t
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Attention of q [B, Hq, T, D] over everything stored for these rows plus the new k, v
-        [B, H, T, D] (causal among the T new tokens). Stores k and v for end_step."""
+        [B, H, T, D] (causal among the T new tokens). q and k come before the rotary embedding:
+        rope = (cos, sin) [B, 1, T, D] of the new positions, or None for none. Stores k and v for
+        end_step."""
         step = self._step
         scale = q.shape[-1] ** -0.5
-        if self._query_weight is not None:
-            self._track_queries(layer, q)
         counts = StepCounts(*step.counts[self._window_row[self.windows[layer]]])
         if step.n_new == 1:
-            # The kernels read the new token from the recent tier, so it is written first.
-            kernels.store_token(self.dense_k[layer], self.dense_v[layer], k[:, :, 0], v[:, :, 0], step.slots_t,
-                                counts.write_index, backend=self.backend)
-            o = kernels.decode_attention(q[:, :, 0], self.formats[layer], self._tiers(layer, counts), scale,
+            # The kernels read the new token from the recent tier, so it is written first, rotated.
+            cos, sin = (None, None) if rope is None else (rope[0][:, 0, 0], rope[1][:, 0, 0])
+            q = kernels.rope_store(q[:, :, 0], k[:, :, 0], v[:, :, 0], cos, sin, self.dense_k[layer],
+                                   self.dense_v[layer], step.slots_t, counts.write_index, backend=self.backend)
+            if self._query_weight is not None:
+                self._track_queries(layer, q[:, :, None])
+            o = kernels.decode_attention(q, self.formats[layer], self._tiers(layer, counts), scale,
                                          window=self.sliding_window, backend=self.backend)
             return o[:, :, None].to(q.dtype)
+        if rope is not None:
+            q, k = (kernels.apply_rope(x, *rope, backend=self.backend) for x in (q, k))
+        if self._query_weight is not None:
+            self._track_queries(layer, q)
         step.pending[layer] = (k, v)
         if not any(self._lengths[s] for s in step.slots):
             return kernels.causal_attention(q, k, v, self.sliding_window)

@@ -36,7 +36,9 @@ def capture(model: torch.nn.Module, ids: Tensor) -> list[tuple[Tensor, Tensor, T
     captured = []
 
     class Recorder:  # stands in for the KV cache: records, then attends exactly
-        def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rope=None) -> Tensor:
+            if rope is not None:  # a cache gets q and k before the rotary embedding
+                q, k = kernels.apply_rope(q, *rope), kernels.apply_rope(k, *rope)
             captured.append((q[0].float(), k[0].float(), v[0].float()))
             return kernels.causal_attention(q, k, v, model.config.sliding_window)
 

@@ -42,10 +42,10 @@ def test_synthetic_decode_runs_the_engine_loop_to_the_end(tmp_path):
     stored = []
     attend = llm.cache.attend
 
-    def watch(layer, q, k, v):  # what the first layer's attention sees at each decode step
+    def watch(layer, q, k, v, rope=None):  # what the first layer's attention sees at each decode step
         if layer == 0:
             stored.append(llm.cache.kv_stats()["layers"][0]["tokens"])
-        return attend(layer, q, k, v)
+        return attend(layer, q, k, v, rope)
 
     llm.cache.attend = watch
     synthetic_decode(llm, 3, ctx, steps)

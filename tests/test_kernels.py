@@ -7,7 +7,7 @@
   128, shuffled pool pages behind strided page-table and tier views, batch rows of very
   different lengths, several queries per row, split-K with empty splits; every output and
   workspace poisoned with NaN (attention) or garbage (pages) first;
-- the Triton RMSNorm, RoPE, SiLU-gate and K/V-store kernels against their torch expressions, on
+- the Triton RMSNorm, RoPE, SiLU-gate and RoPE+K/V-store kernels against their torch expressions, on
   strided views and sizes that are not powers of two, in float32 and (rounding order) float16;
 - the Triton GEMV (every tile shape the engine may pick, split-K, bias, 1 to 16 rows) and, on a
   GPU, the per-shape kernel choice of kernels.linear, against F.linear.
@@ -346,21 +346,37 @@ def test_elementwise_kernels_match_torch(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
-def test_store_token_matches_index_put(dtype):
-    """The decode step's K and V land where the torch index-put puts them, from strided views
-    (heads of one fused projection), and nothing else in the buffers changes."""
+@pytest.mark.parametrize("rotate", [True, False])
+def test_rope_store_matches_torch(dtype, rotate):
+    """A decode step's q and k rotated and its K and V stored by one kernel: the rotated q, and
+    the buffers after the store, equal the torch rotation and index-put, from strided views (heads
+    of one fused projection, GQA); nothing else in the buffers changes. rotate=False: a model
+    without rotary embedding (OPT), q returned as it is, k and v stored bit for bit."""
     g = torch.Generator().manual_seed(5)
-    slots_n, H, T, D, B = 5, 2, 12, 32, 3
+    slots_n, Hq, H, T, D, B = 5, 4, 2, 12, 32, 3
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     dense = [torch.randn(slots_n, H, T, D, generator=g).to(DEVICE, dtype) for _ in range(4)]  # ours k, v; reference k, v
     dense[2].copy_(dense[0]), dense[3].copy_(dense[1])
-    qkv = torch.randn(B, 1, 3 * H, D, generator=g).to(DEVICE, torch.float32).transpose(1, 2)  # cast on store
-    k, v = qkv[:, H:2 * H, 0], qkv[:, 2 * H:, 0]
+    qkv = torch.randn(B, 1, Hq + 2 * H, D, generator=g).to(DEVICE, dtype).transpose(1, 2)
+    q, k, v = qkv[:, :Hq, 0], qkv[:, Hq:Hq + H, 0], qkv[:, Hq + H:, 0]
+    angles = torch.rand(B, D // 2, generator=g).to(DEVICE) * 6
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = (angles.cos().to(dtype), angles.sin().to(dtype)) if rotate else (None, None)
     slots = torch.tensor([4, 0, 2], device=DEVICE)
     index = torch.tensor([11, 0, 7], dtype=torch.int32, device=DEVICE)
-    elementwise.store_token(dense[0], dense[1], k, v, slots, index)
-    reference.store_token(dense[2], dense[3], k, v, slots, index)
-    assert torch.equal(dense[0], dense[2]) and torch.equal(dense[1], dense[3])
-    assert torch.equal(dense[0][4, :, 11], k[0].to(dtype))  # and the reference wrote it at all
+    got = elementwise.rope_store(q, k, v, cos, sin, dense[0], dense[1], slots, index)
+    expect = reference.rope_store(q, k, v, cos, sin, dense[2], dense[3], slots, index)
+    assert got.is_contiguous() and got.shape == q.shape
+    torch.testing.assert_close(got, expect, **tol)
+    torch.testing.assert_close(dense[0], dense[2], **tol)
+    assert torch.equal(dense[1], dense[3])
+    written = torch.zeros(slots_n, T, dtype=torch.bool)
+    written[slots.cpu(), index.long().cpu()] = True
+    assert torch.equal(dense[0].transpose(1, 2)[~written.to(DEVICE)], dense[2].transpose(1, 2)[~written.to(DEVICE)])
+    if not rotate:
+        assert torch.equal(got, q) and torch.equal(dense[0], dense[2])
+    else:  # the rotation happened at all: row 0's k differs from the unrotated one
+        assert not torch.allclose(dense[0][4, :, 11], k[0], **tol)
 
 
 TILES = sorted(set(matmul.ONE_ROW_TILES + matmul.MULTI_ROW_TILES), key=str)

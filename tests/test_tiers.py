@@ -106,7 +106,9 @@ class DirectTiers:
     def begin_step(self, slots: list[int], n_new: int) -> None:
         self.n_new = n_new
 
-    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, rope=None) -> torch.Tensor:
+        if rope is not None:  # the cache contract: q and k arrive before the rotary embedding
+            q, k = kernels.apply_rope(q, *rope), kernels.apply_rope(k, *rope)
         n_old = self.rule.length
         self.k[layer] = k[0] if n_old == 0 else torch.cat([self.k[layer], k[0]], dim=1)
         self.v[layer] = v[0] if n_old == 0 else torch.cat([self.v[layer], v[0]], dim=1)
@@ -358,9 +360,16 @@ def teacher_forced(model, cache, ids: torch.Tensor, schedule: list[int]) -> torc
 
 
 def tap_kv(monkeypatch, cache: KVCache, on_kv) -> None:
-    """Make the cache pass each layer's new (k, v) through on_kv(layer, k, v) before storing them."""
+    """Make the cache pass each layer's new (k, v) through on_kv(layer, k, v) before storing them
+    (k rotated, as the cache stores it: the rotation the cache would apply is applied here first)."""
     attend = cache.attend
-    monkeypatch.setattr(cache, "attend", lambda layer, q, k, v: attend(layer, q, *on_kv(layer, k, v)))
+
+    def tapped(layer, q, k, v, rope=None):
+        if rope is not None:
+            q, k = kernels.apply_rope(q, *rope), kernels.apply_rope(k, *rope)
+        return attend(layer, q, *on_kv(layer, k, v))
+
+    monkeypatch.setattr(cache, "attend", tapped)
 
 
 # prefill (page 0 with sink 4, window 8), decode through the flush of page 1 at 268, a block, decode
