@@ -621,8 +621,8 @@ class Launch:
     (PROGRAMS_PER_SM). min_pages: fewest pages per split (MIN_PAGES_PER_SPLIT). recent_parts:
     programs the FP16 recent tier is split over (RECENT_PARTS). step: tokens per inner step (a power of 2, 16..PAGE_TOKENS; default
     _step). block_n: query rows per program (a power of 2 >= 8; default the rows rounded up to
-    BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton launch options (defaults NUM_WARPS
-    or NUM_WARPS_ROTATED, NUM_STAGES). asm: unpack codes with PTX (default whenever compiled)."""
+    BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton launch options (defaults NUM_WARPS,
+    NUM_WARPS_ROTATED or FP16_PAGE_WARPS, NUM_STAGES). asm: unpack codes with PTX (default whenever compiled)."""
 
     num_splits: int | None = None
     programs_per_sm: int | None = None
@@ -679,6 +679,15 @@ SHORT_ROW_PAGES = 32
 RECENT_PARTS = 4
 NUM_WARPS = 1
 NUM_WARPS_ROTATED = 2  # a rotated format's [D, D] un-rotation in a one-program launch spills badly in one warp
+# FP16 pages have no codes to unpack. In a launch of few programs (at most FEW_PROGRAMS_PER_SM
+# per SM, i.e. latency-bound: batch 1 up to ~4k tokens) they take a whole page per step (up to
+# 16k elements a tile) with 4 warps, one memory latency a page instead of four: at batch 1 a
+# layer's attention went from 11.9 to 7.8 us at 640 tokens and from 13.8 to 12.6 us at 4096. With
+# more programs one warp and 32-token steps stay faster (batch 1 at 32k: 40.3 against 44.1 us;
+# batch 16 at 640 tokens: 20.2 against 21.3). bench.py kernels --variants auto,w1-s32, H200.
+FP16_PAGE_WARPS = 4
+FP16_PAGE_TILE = 2**14
+FEW_PROGRAMS_PER_SM = 4
 NUM_STAGES = 1
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
 # (up to ~128) splits should take one or two rounds, not eight.
@@ -740,11 +749,6 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         if a.stride() != b_.stride() or a.stride(-1) != 1:
             raise ValueError("sink/recent K and V views must share strides with a unit last stride")
     kl, vl = _layouts(fmt, H, D)
-    step = launch.step or _step(kl, vl)
-    packed = [lay.rows for lay in (kl, vl) if lay.bits in (2, 4)]
-    if step & (step - 1) or PAGE_TOKENS % step or step < 16 or any(r % step for r in packed):
-        raise ValueError(f"step must be a power of 2 >= 16 that divides {PAGE_TOKENS} and the row count of every "
-                         f"packed code plane ({packed}), got {step}")
     block_n = launch.block_n or min(64, max(BLOCK_N_MIN, triton.next_power_of_2(M)))
     if block_n & (block_n - 1) or block_n < 8:
         raise ValueError(f"block_n must be a power of 2 >= 8, got {block_n}")
@@ -754,15 +758,21 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         num_splits = default_splits(page_table.shape[1], B * H * n_blocks, q.device, launch.programs_per_sm,
                                     launch.min_pages)
         num_splits = 0 if num_splits == 1 else num_splits  # one split: no partials, no merge
+    one = num_splits == 0
+    tiers = 1 + (launch.recent_parts or RECENT_PARTS)
+    n_parts = 1 if one else num_splits + tiers
+    whole_pages = kl.bits == vl.bits == 16 and B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)
+    step = launch.step or (min(PAGE_TOKENS, FP16_PAGE_TILE // D) if whole_pages else _step(kl, vl))
+    packed = [lay.rows for lay in (kl, vl) if lay.bits in (2, 4)]
+    if step & (step - 1) or PAGE_TOKENS % step or step < 16 or any(r % step for r in packed):
+        raise ValueError(f"step must be a power of 2 >= 16 that divides {PAGE_TOKENS} and the row count of every "
+                         f"packed code plane ({packed}), got {step}")
     asm = launch.asm
     if asm and INTERPRETED:
         raise ValueError("asm=True needs the compiled kernel (the Triton interpreter cannot run PTX)")
     qp = fmt.rotate(q4).contiguous() if fmt.rotated else q4
     unrot = _unrotation(fmt, D, q.device) if fmt.rotated else q4
-    one = num_splits == 0
-    tiers = 1 + (launch.recent_parts or RECENT_PARTS)
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
-    n_parts = 1 if one else num_splits + tiers
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     elif not out.is_contiguous():
@@ -770,7 +780,8 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else out
     o_part = out if one else _scratch((B * H, n_parts, M, D), q.device)
     lse_part = lse if one else _scratch((B * H, n_parts, M), q.device)
-    warps = launch.num_warps or (NUM_WARPS_ROTATED if fmt.rotated and one else NUM_WARPS)
+    warps = launch.num_warps or (NUM_WARPS_ROTATED if fmt.rotated and one else FP16_PAGE_WARPS if whole_pages
+                                 else NUM_WARPS)
     options = dict(num_warps=warps, num_stages=launch.num_stages or NUM_STAGES)
     if launch.maxnreg:
         options["maxnreg"] = launch.maxnreg

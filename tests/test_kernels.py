@@ -205,6 +205,21 @@ def test_tile_options_do_not_change_the_result(name: str):
         call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(step=128))
 
 
+def test_fp16_page_steps_do_not_change_the_result():
+    """FP16 pages read a whole page a step with 4 warps (the default in a launch of few programs),
+    half a page with 2, or 32 tokens with one warp (the default otherwise): the same result, and
+    that of the torch reference."""
+    gen = torch.Generator().manual_seed(12)
+    c = make_cache(get_format("fp16"), 2, 64, *ROWS["mixed"], gen)
+    q = torch.randn(3, 8, 64, generator=gen).to(DEVICE, DTYPE)
+    want = call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(num_splits=2, step=32, num_warps=1))
+    expect = call(reference.decode_attention, q, c, 0.125).float()
+    assert (want.float() - expect).abs().max() < TOL * expect.abs().max()
+    for opts in (dict(step=128, num_warps=4), dict(step=64, num_warps=2), dict(num_splits=0), dict()):
+        got = call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(**{"num_splits": 2, **opts}))
+        torch.testing.assert_close(got.float(), want.float(), rtol=TOL, atol=TOL)
+
+
 @pytest.mark.parametrize("short_pages", [32, 0])
 @pytest.mark.parametrize("window,lse", [(None, False), (300, True)])
 def test_split_count_does_not_change_the_result(window, lse, short_pages, monkeypatch):
