@@ -761,7 +761,8 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     one = num_splits == 0
     tiers = 1 + (launch.recent_parts or RECENT_PARTS)
     n_parts = 1 if one else num_splits + tiers
-    whole_pages = kl.bits == vl.bits == 16 and B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)
+    few_programs = B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)
+    whole_pages = kl.bits == vl.bits == 16 and few_programs
     step = launch.step or (min(PAGE_TOKENS, FP16_PAGE_TILE // D) if whole_pages else _step(kl, vl))
     packed = [lay.rows for lay in (kl, vl) if lay.bits in (2, 4)]
     if step & (step - 1) or PAGE_TOKENS % step or step < 16 or any(r % step for r in packed):

@@ -1,6 +1,6 @@
 """Triton kernels for the model's per-token arithmetic between the matmuls: RMSNorm (alone or
-after the residual add), RoPE and the SiLU gate, each one kernel instead of the 2 to 8 that the torch expressions launch, and,
-at a decode step, the rotation of q and k together with the store of the new K and V into the
+after the residual add), RoPE and the SiLU gate, each one kernel instead of the 2 to 8 that the
+torch expressions launch, and, at a decode step, the rotation of q and k together with the store of the new K and V into the
 cache's dense tier (one kernel, in place of a rotation and two index-put kernels with their
 index arithmetic).
 
@@ -67,9 +67,9 @@ def add_rms_norm(x: Tensor, h: Tensor, weight: Tensor, eps: float) -> tuple[Tens
 
 
 @triton.jit
-def _rotated(x_ptr, cos_ptr, sin_ptr, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
-    """The halves (x1, x2) of one head's row at x_ptr, float32, rotated by cos/sin (rotate_half
-    convention: channel i pairs with i + HALF) when ROPE."""
+def _halves(x_ptr, cos_ptr, sin_ptr, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """The halves (x1, x2) of one head's row at x_ptr, float32; with ROPE rotated by cos/sin
+    (rotate_half convention: channel i pairs with i + HALF), else as loaded."""
     i = tl.arange(0, BLOCK)
     mask = i < HALF
     x1 = tl.load(x_ptr + i, mask=mask).to(tl.float32)
@@ -95,7 +95,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, T, sx_b, sx_h, sx_t, sc_b,
     pid = tl.program_id(0).to(tl.int64)  # one (batch, head, token) row
     wait_then_release(PDL)
     t, h, b = pid % T, (pid // T) % H, pid // (T * H)
-    x1, x2 = _rotated(x_ptr + b * sx_b + h * sx_h + t * sx_t, cos_ptr + b * sc_b + t * sc_t,
+    x1, x2 = _halves(x_ptr + b * sx_b + h * sx_h + t * sx_t, cos_ptr + b * sc_b + t * sc_t,
                       sin_ptr + b * sc_b + t * sc_t, True, HALF, BLOCK)
     _store_halves(out_ptr + pid * 2 * HALF, x1, x2, HALF, BLOCK)
 
@@ -155,14 +155,14 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, dense_k
     wait_then_release(PDL)
     cos, sin = cos_ptr + b * s_c_b, sin_ptr + b * s_c_b
     if head < HQ:
-        q1, q2 = _rotated(q_ptr + b * s_q_b + head * s_q_h, cos, sin, ROPE, HALF, HALF)
+        q1, q2 = _halves(q_ptr + b * s_q_b + head * s_q_h, cos, sin, ROPE, HALF, HALF)
         _store_halves(q_out_ptr + (b * HQ + head) * 2 * HALF, q1, q2, HALF, HALF)
     else:
         h = head - HQ
         dst = tl.load(slots_ptr + b).to(tl.int64) * s_d_slot + h * s_d_h + tl.load(index_ptr + b).to(tl.int64) * s_d_t
-        k1, k2 = _rotated(k_ptr + b * s_k_b + h * s_k_h, cos, sin, ROPE, HALF, HALF)
+        k1, k2 = _halves(k_ptr + b * s_k_b + h * s_k_h, cos, sin, ROPE, HALF, HALF)
         _store_halves(dense_k_ptr + dst, k1, k2, HALF, HALF)
-        v1, v2 = _rotated(v_ptr + b * s_v_b + h * s_v_h, cos, sin, False, HALF, HALF)
+        v1, v2 = _halves(v_ptr + b * s_v_b + h * s_v_h, cos, sin, False, HALF, HALF)
         _store_halves(dense_v_ptr + dst, v1, v2, HALF, HALF)
 
 

@@ -63,7 +63,6 @@ def wait_then_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-
 def kernel_options(device: torch.device, wanted: bool = True) -> dict:
     """Keyword arguments for a launch of a kernel that takes a `PDL` constexpr: the constexpr, and
     the launch option when PDL is on (the interpreter takes no such option). wanted=False: off

@@ -13,10 +13,10 @@ memory budget with the format's real bytes per page; page j of a sequence holds 
 sink + 128 j .. sink + 128 j + 127 in every layer, so one page table serves all layers, even
 when layers keep windows of different lengths (KVmix).
 
-The model calls `attend(layer, q, k, v, rope)` once per layer, with q and k not yet rotated: at a
-decode step the rotation, the store of the new K and V and nothing else is one kernel; the engine brackets a forward with
-`begin_step(slots, n_new)` and `end_step()`, and manages sequences with `admit` / `release`.
-The cache is method-agnostic: the format (quant/) says what a layer's pages store, its sink and
+The model calls `attend(layer, q, k, v, rope)` once per layer with q and k not yet rotated, so
+that at a decode step the rotation and the store of the new K and V are one kernel; the engine
+brackets a forward with `begin_step(slots, n_new)` and `end_step()`, and manages sequences with
+`admit` / `release`. The cache is method-agnostic: the format (quant/) says what a layer's pages store, its sink and
 its windows; kernels/ encodes pages and attends over them; tiers.py holds the tier rule.
 """
 
