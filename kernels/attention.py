@@ -46,6 +46,7 @@ The torch oracle with the same signature is kernels/reference.py.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -231,6 +232,53 @@ def _grouped(x, SCALE, ZERO, page, h, t, d, S_PAGE: tl.constexpr, S_HEAD: tl.con
     return x
 
 
+@constexpr_function
+def _lines(elements, bits):
+    """128-byte lines that `elements` values of `bits` bits span from an aligned start."""
+    return triton.cdiv(elements * bits, 8 * 128)
+
+
+@triton.jit
+def _prefetch(PTR, offset, ELEMENTS: tl.constexpr, LEVEL: tl.constexpr):
+    """Ask for the lines of PTR[offset : offset + ELEMENTS] to be brought into L1 (LEVEL 1) or L2
+    (LEVEL 2) ahead of their loads: a hint, which waits for nothing and holds no register once
+    issued."""
+    LINES: tl.constexpr = _lines(ELEMENTS, PTR.dtype.element_ty.primitive_bitwidth)
+    start = (PTR + offset).to(tl.pointer_type(tl.int8))
+    # a power-of-2 vector of lines; the ones past the field repeat its last line (same instruction)
+    lines = start + tl.minimum(tl.arange(0, triton.next_power_of_2(LINES)), LINES - 1) * 128
+    if LEVEL == 1:
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1]; // $0", "=r,l", [lines], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [lines], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def _prefetch_page(page, h, LEVEL: tl.constexpr, CODES, SCALE, ZERO, MULT, HIGH, IDS, H: tl.constexpr,
+                   D: tl.constexpr, PAGE_TOKENS: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr,
+                   S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, S_TOK: tl.constexpr, HDIV: tl.constexpr,
+                   GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, MULT_KIND: tl.constexpr, N_HIGH: tl.constexpr):
+    """Prefetch kv head h's slice of a page's fields (codes, scales, zeros, KVarN's multipliers,
+    Kitty's high plane and ids) for one side (K or V) of the cache, as _pages addresses them."""
+    # a head's scales run from its first token's first group to its last token's last group
+    # (per channel: S_TOK 0, GROUP 1; token-major NQKV scales interleave the heads)
+    SCALES: tl.constexpr = (PAGE_TOKENS - 1) * S_TOK + (D + GROUP - 1) // GROUP
+    if BITS != 16:
+        _prefetch(CODES, page * (H * ROWS * D) + h * (ROWS * D), ROWS * D, LEVEL)
+        _prefetch(SCALE, page * S_PAGE + (h // HDIV) * S_HEAD, SCALES, LEVEL)
+        if HAS_ZERO:
+            _prefetch(ZERO, page * S_PAGE + (h // HDIV) * S_HEAD, SCALES, LEVEL)
+        if MULT_KIND == 1:  # per token [H, T]
+            _prefetch(MULT, page * (H * PAGE_TOKENS) + h * PAGE_TOKENS, PAGE_TOKENS, LEVEL)
+        if MULT_KIND == 2:  # per channel [H, D]
+            _prefetch(MULT, page * (H * D) + h * D, D, LEVEL)
+        if N_HIGH > 0:
+            _prefetch(HIGH, page * (H * ROWS * N_HIGH) + h * (ROWS * N_HIGH), ROWS * N_HIGH, LEVEL)
+            _prefetch(IDS, page * (H * N_HIGH) + h * N_HIGH, N_HIGH, LEVEL)
+
+
 @triton.jit
 def _softmax_step(s, m_i, l_i):
     """Fold a block of base-2 logits s [tokens, N] into the running max m [N] and sum l [N];
@@ -282,7 +330,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
            K_HAS_ZERO: tl.constexpr, K_MULT_KIND: tl.constexpr, K_NF4: tl.constexpr, K_N_HIGH: tl.constexpr,
            V_BITS: tl.constexpr, V_ROWS: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_S_PAGE: tl.constexpr,
            V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
-           V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr):
+           V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, PREFETCH: tl.constexpr):
     """Attention of the query rows q [N, D] over the quantized pages [p0, p1) of a row: the running
     max m [N] (it may lag behind the true max, see LAZY_MAX), the sum l [N] of the weights, the
     unnormalized output acc [D, N] (transposed), and corr [N]: what acc still holds of the value
@@ -300,9 +348,27 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
     # (or KVarN's per-channel multiplier) differ from page to page, so those steps keep their product apart
     V_APART: tl.constexpr = (not V_PER_TOKEN and V_BITS != 16) or V_MULT_KIND == 2
     page_next = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0).to(tl.int64)
+    # PREFETCH (1: into L1, 2: into L2): the next page's fields are asked for a page ahead, so
+    # their loads find them on chip; its id is then read two pages ahead, so that the hint does
+    # not wait for the id
+    page_after = page_next
+    if PREFETCH:
+        page_after = tl.load(PT + slot * s_pt_b + (p0 + 1) * s_pt_p, mask=p0 + 1 < p1, other=0).to(tl.int64)
     for p in tl.range(p0, p1):
-        page = page_next  # the next page's id is read a page ahead: its codes' addresses are ready at once
-        page_next = tl.load(PT + slot * s_pt_b + (p + 1) * s_pt_p, mask=p + 1 < p1, other=0).to(tl.int64)
+        page = page_next  # ids are read ahead (one page, or two with PREFETCH): the addresses are ready at once
+        if PREFETCH:
+            page_next = page_after
+            page_after = tl.load(PT + slot * s_pt_b + (p + 2) * s_pt_p, mask=p + 2 < p1, other=0).to(tl.int64)
+            if p + 1 < p1:
+                _prefetch_page(page_next, h, PREFETCH, K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, H, D,
+                               PAGE_TOKENS, K_BITS, K_ROWS, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO,
+                               K_MULT_KIND, K_N_HIGH)
+                # values have no high plane: the codes stand in for its pointers, never read (N_HIGH 0)
+                _prefetch_page(page_next, h, PREFETCH, V_CODES, V_SCALE, V_ZERO, V_MULT, V_CODES, V_CODES, H, D,
+                               PAGE_TOKENS, V_BITS, V_ROWS, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP, V_HAS_ZERO,
+                               V_MULT_KIND, 0)
+        else:
+            page_next = tl.load(PT + slot * s_pt_b + (p + 1) * s_pt_p, mask=p + 1 < p1, other=0).to(tl.int64)
         # ---- keys: fold the channel factors into q once per page --------------------------------
         #   per channel: s = mult_t * ((q * scale) . level_t - off * sum(q * scale) + q . zero)
         #   per token:   s = scale_t * ((q * mult) . level_t - off * sum(q * mult)) + zero_t * sum(q * mult)
@@ -476,7 +542,7 @@ def _split_kernel(
     V_BITS: tl.constexpr, V_ROWS: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_S_PAGE: tl.constexpr,
     V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, V_N_HIGH: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     wait_then_release(PDL)  # every program, the empty splits too (pdl.py)
     bh = tl.program_id(0)
@@ -521,7 +587,7 @@ def _split_kernel(
             V_MULT, dt, H, D, BLOCK_N, PAGE_TOKENS, STEP, BLOCK_ROWS, NB_PAD, HAS_WINDOW, ASM,
             K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO, K_MULT_KIND,
             K_NF4, K_N_HIGH, V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
-            V_HAS_ZERO, V_MULT_KIND, V_NF4)
+            V_HAS_ZERO, V_MULT_KIND, V_NF4, PREFETCH)
         acc -= corr[None, :]
         if ROTATED and ONE_PROGRAM:  # back from the rotated domain: o @ U, here U^T @ o^T (linear, so before
             # normalizing); with splits the merge does it once per row, on the sum of the page partials
@@ -620,9 +686,11 @@ class Launch:
     default: default_splits. programs_per_sm: what the default split count aims at
     (PROGRAMS_PER_SM). min_pages: fewest pages per split (MIN_PAGES_PER_SPLIT). recent_parts:
     programs the FP16 recent tier is split over (RECENT_PARTS). step: tokens per inner step (a power of 2, 16..PAGE_TOKENS; default
-    _step). block_n: query rows per program (a power of 2 >= 8; default the rows rounded up to
-    BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton launch options (defaults NUM_WARPS,
-    NUM_WARPS_ROTATED or FP16_PAGE_WARPS, NUM_STAGES). asm: unpack codes with PTX (default whenever compiled)."""
+    _step). block_n: query rows per program (a power of 2 >= 4, which tl.dot pads to the MMA's 8
+    itself; default the rows rounded up to BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton
+    launch options (defaults NUM_WARPS, NUM_WARPS_ROTATED or FP16_PAGE_WARPS, NUM_STAGES). asm:
+    unpack codes with PTX (default whenever compiled). prefetch: ask for each next page's fields a
+    page ahead, into L1 (1) or L2 (2); 0 = no (default PREFETCH; compiled kernels only)."""
 
     num_splits: int | None = None
     programs_per_sm: int | None = None
@@ -635,6 +703,7 @@ class Launch:
     maxnreg: int | None = None
     asm: bool | None = None
     pdl: bool | None = None
+    prefetch: int | None = None
 
 
 def _scratch(shape: tuple[int, ...], device: torch.device) -> Tensor:
@@ -689,6 +758,9 @@ FP16_PAGE_WARPS = 4
 FP16_PAGE_TILE = 2**14
 FEW_PROGRAMS_PER_SM = 4
 NUM_STAGES = 1
+# Prefetch hints for the next page's fields (Launch.prefetch): off until measured on the GPU;
+# NANOKV_PREFETCH=1 or 2 turns them on for every launch, so the engine can be timed with them.
+PREFETCH = int(os.environ.get("NANOKV_PREFETCH", "0"))
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
 # (up to ~128) splits should take one or two rounds, not eight.
 MERGE_CHUNK = 64
@@ -750,8 +822,8 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
             raise ValueError("sink/recent K and V views must share strides with a unit last stride")
     kl, vl = _layouts(fmt, H, D)
     block_n = launch.block_n or min(64, max(BLOCK_N_MIN, triton.next_power_of_2(M)))
-    if block_n & (block_n - 1) or block_n < 8:
-        raise ValueError(f"block_n must be a power of 2 >= 8, got {block_n}")
+    if block_n & (block_n - 1) or block_n < 4:
+        raise ValueError(f"block_n must be a power of 2 >= 4, got {block_n}")
     n_blocks = triton.cdiv(M, block_n)
     num_splits = launch.num_splits
     if num_splits is None:
@@ -771,6 +843,15 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     asm = launch.asm
     if asm and INTERPRETED:
         raise ValueError("asm=True needs the compiled kernel (the Triton interpreter cannot run PTX)")
+    prefetch = PREFETCH if launch.prefetch is None else launch.prefetch
+    if prefetch not in (0, 1, 2):
+        raise ValueError(f"prefetch must be 0 (off), 1 (into L1) or 2 (into L2), got {prefetch}")
+    if INTERPRETED:
+        if launch.prefetch:
+            raise ValueError("prefetch needs the compiled kernel (the Triton interpreter cannot run PTX)")
+        prefetch = 0
+    if kl.bits == vl.bits == 16:  # FP16 pages read at bandwidth already: no hints, no ids read two ahead
+        prefetch = 0
     qp = fmt.rotate(q4).contiguous() if fmt.rotated else q4
     unrot = _unrotation(fmt, D, q.device) if fmt.rotated else q4
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
@@ -802,7 +883,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         ROTATED=fmt.rotated, NB_PAD=max(16, triton.next_power_of_2(kl.n_high)),
         HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None, ASM=not INTERPRETED if asm is None else asm,
         ONE_PROGRAM=one, RETURN_LSE=return_lse,
-        **kl.constexprs("K_"), **vl.constexprs("V_"), **options, **pdl,
+        **kl.constexprs("K_"), **vl.constexprs("V_"), PREFETCH=prefetch, **options, **pdl,
     )
     if not one:
         d_block = min(D, 32)

@@ -67,3 +67,16 @@ def test_quality_refuses_a_context_that_encodes_no_page(tmp_path):
                          text=True, timeout=300)
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert "encodes no page" in run.stderr.strip().splitlines()[-1], run.stderr
+
+
+def test_kernel_variant_names_parse_into_launches():
+    """`bench.py kernels --variants` names: dash-separated Launch fields, every variant without PDL;
+    an unknown field is refused with the list of known ones."""
+    from benchmarks.kernels import variant
+    from kernels.attention import Launch
+
+    assert variant("auto") == Launch(pdl=False)
+    assert variant("n4-f1-w2") == Launch(block_n=4, prefetch=1, num_warps=2, pdl=False)
+    assert variant("s16-r168-noasm") == Launch(step=16, maxnreg=168, asm=False, pdl=False)
+    with pytest.raises(ValueError, match="unknown kernel variant field 'x3'"):
+        variant("n4-x3")
