@@ -59,7 +59,7 @@ from triton.runtime.jit import constexpr_function
 from quant import NF4_LEVELS, PAGE_TOKENS
 from quant.layout import Layout
 
-from .pdl import kernel_options, wait_then_release
+from .pdl import kernel_options, prefetch, wait_then_release
 from .reference import Tiers
 
 LOG2E = 1.4426950408889634
@@ -240,19 +240,11 @@ def _lines(elements, bits):
 
 @triton.jit
 def _prefetch(PTR, offset, ELEMENTS: tl.constexpr, LEVEL: tl.constexpr):
-    """Ask for the lines of PTR[offset : offset + ELEMENTS] to be brought into L1 (LEVEL 1) or L2
-    (LEVEL 2) ahead of their loads: a hint, which waits for nothing and holds no register once
-    issued."""
+    """Prefetch (pdl.prefetch) the lines of PTR[offset : offset + ELEMENTS] into L1 (LEVEL 1) or L2."""
     LINES: tl.constexpr = _lines(ELEMENTS, PTR.dtype.element_ty.primitive_bitwidth)
     start = (PTR + offset).to(tl.pointer_type(tl.int8))
     # a power-of-2 vector of lines; the ones past the field repeat its last line (same instruction)
-    lines = start + tl.minimum(tl.arange(0, triton.next_power_of_2(LINES)), LINES - 1) * 128
-    if LEVEL == 1:
-        tl.inline_asm_elementwise("prefetch.global.L1 [$1]; // $0", "=r,l", [lines], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [lines], dtype=tl.int32, is_pure=False,
-                                  pack=1)
+    prefetch(start + tl.minimum(tl.arange(0, triton.next_power_of_2(LINES)), LINES - 1) * 128, LEVEL)
 
 
 @triton.jit
