@@ -129,6 +129,11 @@ CASES = [
     ("kvmix:2v4", 128, 1, 1, "long", 1, None, ""),
     ("kvmix:4v3", 64, 7, 2, "long", 2, 2, ""),
     ("kitty-pro", 64, 7, 11, "mixed", 1, 2, "window=60,lse"),  # 77 q rows per kv head: two row blocks
+    # one softmax update per group of steps: a 2-bit page's 4 (a window masks whole groups), a 4-bit
+    # block's 2, and the 3-bit planes' 8 steps of 16 tokens across two blocks of rows
+    ("kitty", 64, 4, 1, "long", 2, 3, "window=200,softmax_steps=4"),
+    ("kvarn-k4v2", 64, 4, 2, "long", 2, None, "softmax_steps=2"),
+    ("kvmix:3v3", 64, 4, 1, "mixed", 2, 3, "softmax_steps=8"),
 ]
 
 
@@ -179,8 +184,8 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
     monkeypatch.setattr(attention, "_scratch", lambda shape, device: torch.full(shape, float("nan"), device=device))
     # a single query: into a given (poisoned) buffer; a block: the kernel allocates the result itself
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE) if queries == 1 else None
-    got = call(attention.decode_attention, q, c, head_dim**-0.5, out=out, launch=attention.Launch(num_splits=splits),
-               **kw)
+    launch = attention.Launch(num_splits=splits, softmax_steps=int(opts.get("softmax_steps", 1)))
+    got = call(attention.decode_attention, q, c, head_dim**-0.5, out=out, launch=launch, **kw)
     if kw["return_lse"]:
         (got, lse), (want, want_lse) = got, want
         torch.testing.assert_close(lse, want_lse, rtol=TOL, atol=TOL)
@@ -193,14 +198,15 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
 @pytest.mark.parametrize("name", ["kitty", "kvarn-k4v2", "kvmix:3v2", "nqkv"])
 def test_tile_options_do_not_change_the_result(name: str):
     """16-token steps (planes read in blocks of rows), 32- and 4-row query blocks (4: two blocks of a
-    kv head's 8 rows), 1, 2 and 4 warps and pipelined page loads give the torch reference's result,
-    as the default does; a step that would cross slots is refused."""
+    kv head's 8 rows), 1, 2 and 4 warps, pipelined page loads and one softmax update per 4 or 8 steps
+    give the torch reference's result, as the default does; a step that would cross slots, or a
+    group of steps that is not a power of 2, is refused."""
     gen = torch.Generator().manual_seed(11)
     c = make_cache(get_format(name), 2, 64, *ROWS["mixed"], gen)
     q = torch.randn(3, 16, 64, generator=gen).to(DEVICE, DTYPE)
     want = call(reference.decode_attention, q, c, 0.125).float()
     for opts in (dict(), dict(step=16, num_warps=4), dict(block_n=32, num_warps=1), dict(block_n=4),
-                 dict(num_warps=2, num_stages=3)):
+                 dict(num_warps=2, num_stages=3), dict(softmax_steps=4), dict(step=16, softmax_steps=8)):
         got = call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(num_splits=2, **opts)).float()
         # relative to the output's scale, as TOL is (the products' offset cancellation leaves
         # rounding that moves with the tile shapes)
@@ -208,6 +214,8 @@ def test_tile_options_do_not_change_the_result(name: str):
         assert err < TOL, f"{name} {opts}: relative error {err:.2e}"
     with pytest.raises(ValueError, match="step must"):
         call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(step=128))
+    with pytest.raises(ValueError, match="softmax_steps must"):
+        call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(softmax_steps=3))
 
 
 @pytest.mark.skipif(not CUDA, reason="prefetch hints are PTX, which the Triton interpreter cannot run")
