@@ -82,7 +82,8 @@ def _tile_offset(bits, rows, step, t0, nf4):
 @constexpr_function
 def _step_token(i, slots, rows, step):
     """The first token of step i of a page's step loop: step i reads slot i % slots of block i // slots
-    of `step` plane rows, i.e. tokens slot * rows + block * step + arange(step)."""
+    of `step` plane rows, i.e. tokens slot * rows + block * step + arange(step). (Called wherever a
+    constexpr is needed: assigned to a local variable in the kernel, it would become a tensor.)"""
     return (i % slots) * rows + (i // slots) * step
 
 
@@ -456,7 +457,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
                     if K_HAS_ZERO:
                         k_zero = _step_row(k_zeros, i)
                         s += k_zero[:, None] * q_sum[None, :]
-                elif (not K_PER_TOKEN) and (K_BITS != 16):  # one bias per query row: the zero term minus the offset term
+                elif (not K_PER_TOKEN) and (K_BITS != 16):  # one bias per query row: zero term minus offset term
                     s += (q_zero - k_off * q_sum)[None, :]
                 if K_N_HIGH > 0:
                     hi = _tile(hi_plane, t, r, r_ok, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, K_N_HIGH, True, 2,
