@@ -869,11 +869,11 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         if launch.prefetch:
             raise ValueError("prefetch needs the compiled kernel (the Triton interpreter cannot run PTX)")
         prefetch = 0
+    if kl.bits == vl.bits == 16:  # FP16 pages read at bandwidth already: no hints, no ids read two ahead
+        prefetch = 0
     softmax_steps = launch.softmax_steps or SOFTMAX_STEPS
     if softmax_steps & (softmax_steps - 1) or softmax_steps < 1:
         raise ValueError(f"softmax_steps must be a power of 2 >= 1, got {softmax_steps}")
-    if kl.bits == vl.bits == 16:  # FP16 pages read at bandwidth already: no hints, no ids read two ahead
-        prefetch = 0
     qp = fmt.rotate(q4).contiguous() if fmt.rotated else q4
     unrot = _unrotation(fmt, D, q.device) if fmt.rotated else q4
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
