@@ -276,7 +276,12 @@ def profile_decode(llm: LLM, batch: int, prompt: int, steps: int) -> float:
     for _ in range(batch):
         llm.add_request(torch.randint(0, llm.model.config.vocab_size, (prompt,), generator=g).tolist(),
                         SamplingParams(max_new_tokens=steps + 2, ignore_eos=True))
-    llm.step()  # prefills and the first decode step, outside the profile
+    # The prompts are prefilled in chunks over several steps (prefill_chunk): step until every
+    # request is decoding, plus one decode step, so that the profile holds decode steps only.
+    llm.step()
+    while llm.waiting or llm.prefilling:
+        llm.step()
+    llm.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             llm.step()

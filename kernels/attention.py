@@ -776,10 +776,11 @@ NUM_STAGES = 1
 # Prefetch hints for the next page's fields (Launch.prefetch): off until measured on the GPU;
 # NANOKV_PREFETCH=1 or 2 turns them on for every launch, so the engine can be timed with them.
 PREFETCH = int(os.environ.get("NANOKV_PREFETCH", "0"))
-# Steps per softmax update (Launch.softmax_steps): 1 until a GPU times the grouped page (all of a
-# 2-bit page's 4 steps at once: 7% fewer SASS instructions for kitty and a quarter of the max
-# reductions, compiled offline); NANOKV_SOFTMAX_STEPS sets it for every launch.
-SOFTMAX_STEPS = int(os.environ.get("NANOKV_SOFTMAX_STEPS", "1"))
+# Steps per softmax update (Launch.softmax_steps): a group's logits first, then one update of the
+# running max, then their value products. 4 (a whole 2-bit page) beat 1 in every cell of the
+# kernel table, and 8 was level with 4 (H100, session 15; with BLOCK_N_MIN 4, kitty at batch
+# 16 / 32k went from 274 to 218 us). NANOKV_SOFTMAX_STEPS sets it for every launch.
+SOFTMAX_STEPS = int(os.environ.get("NANOKV_SOFTMAX_STEPS", "4"))
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
 # (up to ~128) splits should take one or two rounds, not eight.
 MERGE_CHUNK = 64
@@ -787,7 +788,11 @@ MERGE_CHUNK = 64
 # the step gained 4-5% with it (Llama-3-8B shape, H100), while at batch 16 kitty's step lost 2-4%
 # with it on the attention and was level with it off (README, "Decode step").
 PDL_MAX_BATCH = 4
-BLOCK_N_MIN = 8
+# Query rows per program at least 4: Llama-3's 4 query heads a kv head then fill the accumulator
+# and probability tiles, where 8 kept half of them (registers and softmax work) for padding rows;
+# tl.dot pads the MMA's N to 8 itself. Faster than 8 in every quantized cell of the kernel table,
+# FP16 level or faster (H100, session 15).
+BLOCK_N_MIN = 4
 
 
 def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: int | None = None,
