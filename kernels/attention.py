@@ -59,7 +59,7 @@ from triton.runtime.jit import constexpr_function
 from quant import NF4_LEVELS, PAGE_TOKENS
 from quant.layout import Layout
 
-from .pdl import kernel_options, prefetch, wait_then_release
+from .pdl import kernel_options, wait_then_release
 from .reference import Tiers
 
 LOG2E = 1.4426950408889634
@@ -240,45 +240,6 @@ def _grouped(x, SCALE, ZERO, page, h, t, d, S_PAGE: tl.constexpr, S_HEAD: tl.con
     return x
 
 
-@constexpr_function
-def _lines(elements, bits):
-    """128-byte lines that `elements` values of `bits` bits span from an aligned start."""
-    return triton.cdiv(elements * bits, 8 * 128)
-
-
-@triton.jit
-def _prefetch(PTR, offset, ELEMENTS: tl.constexpr, LEVEL: tl.constexpr):
-    """Prefetch (pdl.prefetch) the lines of PTR[offset : offset + ELEMENTS] into L1 (LEVEL 1) or L2."""
-    LINES: tl.constexpr = _lines(ELEMENTS, PTR.dtype.element_ty.primitive_bitwidth)
-    start = (PTR + offset).to(tl.pointer_type(tl.int8))
-    # a power-of-2 vector of lines; the ones past the field repeat its last line (same instruction)
-    prefetch(start + tl.minimum(tl.arange(0, triton.next_power_of_2(LINES)), LINES - 1) * 128, LEVEL)
-
-
-@triton.jit
-def _prefetch_page(page, h, LEVEL: tl.constexpr, CODES, SCALE, ZERO, MULT, HIGH, IDS, H: tl.constexpr,
-                   D: tl.constexpr, PAGE_TOKENS: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr,
-                   S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, S_TOK: tl.constexpr, HDIV: tl.constexpr,
-                   GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, MULT_KIND: tl.constexpr, N_HIGH: tl.constexpr):
-    """Prefetch kv head h's slice of a page's fields (codes, scales, zeros, KVarN's multipliers,
-    Kitty's high plane and ids) for one side (K or V) of the cache, as _pages addresses them."""
-    # a head's scales run from its first token's first group to its last token's last group
-    # (per channel: S_TOK 0, GROUP 1; token-major NQKV scales interleave the heads)
-    SCALES: tl.constexpr = (PAGE_TOKENS - 1) * S_TOK + (D + GROUP - 1) // GROUP
-    if BITS != 16:
-        _prefetch(CODES, page * (H * ROWS * D) + h * (ROWS * D), ROWS * D, LEVEL)
-        _prefetch(SCALE, page * S_PAGE + (h // HDIV) * S_HEAD, SCALES, LEVEL)
-        if HAS_ZERO:
-            _prefetch(ZERO, page * S_PAGE + (h // HDIV) * S_HEAD, SCALES, LEVEL)
-        if MULT_KIND == 1:  # per token [H, T]
-            _prefetch(MULT, page * (H * PAGE_TOKENS) + h * PAGE_TOKENS, PAGE_TOKENS, LEVEL)
-        if MULT_KIND == 2:  # per channel [H, D]
-            _prefetch(MULT, page * (H * D) + h * D, D, LEVEL)
-        if N_HIGH > 0:
-            _prefetch(HIGH, page * (H * ROWS * N_HIGH) + h * (ROWS * N_HIGH), ROWS * N_HIGH, LEVEL)
-            _prefetch(IDS, page * (H * N_HIGH) + h * N_HIGH, N_HIGH, LEVEL)
-
-
 @triton.jit
 def _softmax_step(s, m_i, l_i):
     """Fold a block of base-2 logits s [tokens, N] into the running max m [N] and sum l [N];
@@ -330,8 +291,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
            K_HAS_ZERO: tl.constexpr, K_MULT_KIND: tl.constexpr, K_NF4: tl.constexpr, K_N_HIGH: tl.constexpr,
            V_BITS: tl.constexpr, V_ROWS: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_S_PAGE: tl.constexpr,
            V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
-           V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, PREFETCH: tl.constexpr,
-           SOFTMAX_STEPS: tl.constexpr):
+           V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, SOFTMAX_STEPS: tl.constexpr):
     """Attention of the query rows q [N, D] over the quantized pages [p0, p1) of a row: the running
     max m [N] (it may lag behind the true max, see LAZY_MAX), the sum l [N] of the weights, the
     unnormalized output acc [D, N] (transposed), and corr [N]: what acc still holds of the value
@@ -351,27 +311,9 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
     SLOTS: tl.constexpr = PAGE_TOKENS // ROWS  # steps per block of rows
     STEPS: tl.constexpr = PAGE_TOKENS // STEP  # steps per page
     page_next = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0).to(tl.int64)
-    # PREFETCH (1: into L1, 2: into L2): the next page's fields are asked for a page ahead, so
-    # their loads find them on chip; its id is then read two pages ahead, so that the hint does
-    # not wait for the id
-    page_after = page_next
-    if PREFETCH:
-        page_after = tl.load(PT + slot * s_pt_b + (p0 + 1) * s_pt_p, mask=p0 + 1 < p1, other=0).to(tl.int64)
     for p in tl.range(p0, p1):
-        page = page_next  # ids are read ahead (one page, or two with PREFETCH): the addresses are ready at once
-        if PREFETCH:
-            page_next = page_after
-            page_after = tl.load(PT + slot * s_pt_b + (p + 2) * s_pt_p, mask=p + 2 < p1, other=0).to(tl.int64)
-            if p + 1 < p1:
-                _prefetch_page(page_next, h, PREFETCH, K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, H, D,
-                               PAGE_TOKENS, K_BITS, K_ROWS, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO,
-                               K_MULT_KIND, K_N_HIGH)
-                # values have no high plane: the codes stand in for its pointers, never read (N_HIGH 0)
-                _prefetch_page(page_next, h, PREFETCH, V_CODES, V_SCALE, V_ZERO, V_MULT, V_CODES, V_CODES, H, D,
-                               PAGE_TOKENS, V_BITS, V_ROWS, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP, V_HAS_ZERO,
-                               V_MULT_KIND, 0)
-        else:
-            page_next = tl.load(PT + slot * s_pt_b + (p + 1) * s_pt_p, mask=p + 1 < p1, other=0).to(tl.int64)
+        page = page_next  # the next page's id is read a page ahead: its codes' addresses are ready at once
+        page_next = tl.load(PT + slot * s_pt_b + (p + 1) * s_pt_p, mask=p + 1 < p1, other=0).to(tl.int64)
         # ---- keys: fold the channel factors into q once per page --------------------------------
         #   per channel: s = mult_t * ((q * scale) . level_t - off * sum(q * scale) + q . zero)
         #   per token:   s = scale_t * ((q * mult) . level_t - off * sum(q * mult)) + zero_t * sum(q * mult)
@@ -554,7 +496,7 @@ def _split_kernel(
     V_BITS: tl.constexpr, V_ROWS: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_S_PAGE: tl.constexpr,
     V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, V_N_HIGH: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, SOFTMAX_STEPS: tl.constexpr,
+    PDL: tl.constexpr, SOFTMAX_STEPS: tl.constexpr,
 ):
     wait_then_release(PDL)  # every program, the empty splits too (pdl.py)
     bh = tl.program_id(0)
@@ -599,7 +541,7 @@ def _split_kernel(
             V_MULT, dt, H, D, BLOCK_N, PAGE_TOKENS, STEP, BLOCK_ROWS, NB_PAD, HAS_WINDOW, ASM,
             K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO, K_MULT_KIND,
             K_NF4, K_N_HIGH, V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
-            V_HAS_ZERO, V_MULT_KIND, V_NF4, PREFETCH, SOFTMAX_STEPS)
+            V_HAS_ZERO, V_MULT_KIND, V_NF4, SOFTMAX_STEPS)
         acc -= corr[None, :]
         if ROTATED and ONE_PROGRAM:  # back from the rotated domain: o @ U, here U^T @ o^T (linear, so before
             # normalizing); with splits the merge does it once per row, on the sum of the page partials
@@ -701,9 +643,7 @@ class Launch:
     _step). block_n: query rows per program (a power of 2 >= 4, which tl.dot pads to the MMA's 8
     itself; default the rows rounded up to BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton
     launch options (defaults NUM_WARPS, NUM_WARPS_ROTATED or FP16_PAGE_WARPS, NUM_STAGES). asm:
-    unpack codes with PTX (default whenever compiled). prefetch: ask for each next page's fields a
-    page ahead, into L1 (1) or L2 (2); 0 = no (default PREFETCH; compiled kernels only).
-    softmax_steps: steps whose logits are all computed before one update of the running max (a
+    unpack codes with PTX (default whenever compiled). softmax_steps: steps whose logits are all computed before one update of the running max (a
     power of 2, capped at a page's steps; default SOFTMAX_STEPS)."""
 
     num_splits: int | None = None
@@ -717,7 +657,6 @@ class Launch:
     maxnreg: int | None = None
     asm: bool | None = None
     pdl: bool | None = None
-    prefetch: int | None = None
     softmax_steps: int | None = None
 
 
@@ -773,9 +712,6 @@ FP16_PAGE_WARPS = 4
 FP16_PAGE_TILE = 2**14
 FEW_PROGRAMS_PER_SM = 4
 NUM_STAGES = 1
-# Prefetch hints for the next page's fields (Launch.prefetch): off until measured on the GPU;
-# NANOKV_PREFETCH=1 or 2 turns them on for every launch, so the engine can be timed with them.
-PREFETCH = int(os.environ.get("NANOKV_PREFETCH", "0"))
 # Steps per softmax update (Launch.softmax_steps): a group's logits first, then one update of the
 # running max, then their value products. 4 (a whole 2-bit page) beat 1 in every cell of the
 # kernel table, and 8 was level with 4 (H100, session 15; with BLOCK_N_MIN 4, kitty at batch
@@ -867,15 +803,6 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     asm = launch.asm
     if asm and INTERPRETED:
         raise ValueError("asm=True needs the compiled kernel (the Triton interpreter cannot run PTX)")
-    prefetch = PREFETCH if launch.prefetch is None else launch.prefetch
-    if prefetch not in (0, 1, 2):
-        raise ValueError(f"prefetch must be 0 (off), 1 (into L1) or 2 (into L2), got {prefetch}")
-    if INTERPRETED:
-        if launch.prefetch:
-            raise ValueError("prefetch needs the compiled kernel (the Triton interpreter cannot run PTX)")
-        prefetch = 0
-    if kl.bits == vl.bits == 16:  # FP16 pages read at bandwidth already: no hints, no ids read two ahead
-        prefetch = 0
     softmax_steps = launch.softmax_steps or SOFTMAX_STEPS
     if softmax_steps & (softmax_steps - 1) or softmax_steps < 1:
         raise ValueError(f"softmax_steps must be a power of 2 >= 1, got {softmax_steps}")
@@ -910,7 +837,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         ROTATED=fmt.rotated, NB_PAD=max(16, triton.next_power_of_2(kl.n_high)),
         HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None, ASM=not INTERPRETED if asm is None else asm,
         ONE_PROGRAM=one, RETURN_LSE=return_lse,
-        **kl.constexprs("K_"), **vl.constexprs("V_"), PREFETCH=prefetch,
+        **kl.constexprs("K_"), **vl.constexprs("V_"),
         SOFTMAX_STEPS=min(softmax_steps, PAGE_TOKENS // step), **options, **pdl,
     )
     if not one:

@@ -76,7 +76,7 @@ def test_kernel_variant_names_parse_into_launches():
     from kernels.attention import Launch
 
     assert variant("auto") == Launch(pdl=False)
-    assert variant("n4-f1-w2") == Launch(block_n=4, prefetch=1, num_warps=2, pdl=False)
+    assert variant("n4-k3-w2") == Launch(block_n=4, num_splits=3, num_warps=2, pdl=False)
     assert variant("s16-r168-noasm") == Launch(step=16, maxnreg=168, asm=False, pdl=False)
     assert variant("u4-n4") == Launch(softmax_steps=4, block_n=4, pdl=False)
     with pytest.raises(ValueError, match="unknown kernel variant field 'x3'"):

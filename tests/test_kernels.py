@@ -218,22 +218,6 @@ def test_tile_options_do_not_change_the_result(name: str):
         call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(softmax_steps=3))
 
 
-@pytest.mark.skipif(not CUDA, reason="prefetch hints are PTX, which the Triton interpreter cannot run")
-@pytest.mark.parametrize("name", ["kitty", "kivi-k2v2", "kvarn-k4v2", "kvmix:3v2", "nqkv"])
-def test_page_prefetch_does_not_change_the_result(name: str):
-    """Asking for the next page's fields into L1 or L2 a page ahead (the page ids then read two
-    ahead) gives bit for bit the result without, with several pages a split and one program a row."""
-    gen = torch.Generator().manual_seed(13)
-    c = make_cache(get_format(name), 2, 64, *ROWS["long"], gen)
-    q = torch.randn(2, 8, 64, generator=gen).to(DEVICE, DTYPE)
-    for splits in (3, 0):
-        want = call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(num_splits=splits, prefetch=0))
-        for level in (1, 2):
-            got = call(attention.decode_attention, q, c, 0.125,
-                       launch=attention.Launch(num_splits=splits, prefetch=level))
-            assert torch.equal(got, want), f"{name}: prefetch {level}, {splits} splits"
-
-
 def test_fp16_page_steps_do_not_change_the_result():
     """FP16 pages read a whole page a step with 4 warps (the default in a launch of few programs),
     half a page with 2, or 32 tokens with one warp (the default otherwise): the same result, and
