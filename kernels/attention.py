@@ -666,6 +666,14 @@ def _scratch(shape: tuple[int, ...], device: torch.device) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+def _rotation(fmt, head_dim: int, device: torch.device) -> Tensor:
+    """R [D, D] with fmt.rotate(x) = x @ R (rotate is linear along the last dim). q is rotated by
+    this one matmul rather than by the fast transform, whose ~25 small torch kernels (butterfly
+    stages and casts) each cost a launch a layer and step."""
+    return fmt.rotate(torch.eye(head_dim, device=device)).float().contiguous()
+
+
+@functools.lru_cache(maxsize=None)
 def _unrotation(fmt, head_dim: int, device: torch.device) -> Tensor:
     """U [D, D] with fmt.unrotate(x) = x @ U (unrotate is linear along the last dim)."""
     return fmt.unrotate(torch.eye(head_dim, device=device)).float().contiguous()
@@ -806,7 +814,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     softmax_steps = launch.softmax_steps or SOFTMAX_STEPS
     if softmax_steps & (softmax_steps - 1) or softmax_steps < 1:
         raise ValueError(f"softmax_steps must be a power of 2 >= 1, got {softmax_steps}")
-    qp = fmt.rotate(q4).contiguous() if fmt.rotated else q4
+    qp = torch.matmul(q4.float(), _rotation(fmt, D, q.device)).to(q.dtype) if fmt.k.rotated else q4
     unrot = _unrotation(fmt, D, q.device) if fmt.rotated else q4
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
     if out is None:
