@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then benchmarks. Everything lands in one results.tgz under $OUT
 # (the device tool returns few files); the markdown tables are printed last.
-# usage: scripts/gpu_run.sh [tests] [kernels] [speed] [speed4k] [configs] [capacity] [tp] [tp70b]
-# (default: all but tp and tp70b, which need two GPUs: the nvidia-h200-x2 kind)
+# usage: scripts/gpu_run.sh [tests] [kernels] [ncu] [speed] [speed4k] [configs] [capacity] [tp] [tp70b]
+# (default: all but ncu, tp and tp70b; the last two need two GPUs: the nvidia-h200-x2 kind)
 set -uo pipefail
 FINAL=${OUT:-results}; mkdir -p "$FINAL"
 LOG=$(mktemp -d)
@@ -26,6 +26,14 @@ for s in $stages; do
       run kernels ${T_KERNELS:-300} python3 bench.py kernels --kv ${KERNEL_KV:-fp16,kivi-k2v2,kivi-k4v4,kitty,kitty-pro,kvmix,kvarn,nqkv} \
         --batch ${KERNEL_BATCH:-1,16,64} --ctx ${KERNEL_CTX:-4096,32768} --variants ${KERNEL_VARIANTS:-auto} ${KERNEL_ARGS:-} \
         --json "$LOG/kernels.jsonl" ;;
+    ncu)  # where the attention's page loop stalls: one profiled launch a variant (hardware counters,
+      # clocks left alone as METHOD.md asks); compare a variant with its neighbours, e.g. u4-n4-r168
+      for v in ${NCU_VARIANTS:-u4-n4 u4-n4-r168}; do
+        run ncu_$v ${T_NCU:-200} ncu --clock-control none --section SchedulerStats --section WarpStateStats \
+          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+          --section SourceCounters -k regex:_split_kernel --launch-skip 3 --launch-count 1 \
+          python3 bench.py kernels --kv ${NCU_KV:-kitty} --batch ${NCU_BATCH:-16} --ctx ${NCU_CTX:-32768} --variants $v --no-encode
+      done ;;
     speed)
       run speed ${T_SPEED:-420} python3 bench.py speed --config llama3-8b --kv ${SPEED_KV:-fp16,kivi-k2v2,kitty} --batch ${SPEED_BATCH:-1,16} \
         --prompt 512 --new 128 --vs-hf ${SPEED_ARGS:-} --json "$LOG/speed.jsonl" --plot "$FINAL/speed.png" ;;
