@@ -643,8 +643,9 @@ class Launch:
     _step). block_n: query rows per program (a power of 2 >= 4, which tl.dot pads to the MMA's 8
     itself; default the rows rounded up to BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton
     launch options (defaults NUM_WARPS, NUM_WARPS_ROTATED or FP16_PAGE_WARPS, NUM_STAGES). asm:
-    unpack codes with PTX (default whenever compiled). softmax_steps: steps whose logits are all computed before one update of the running max (a
-    power of 2, capped at a page's steps; default SOFTMAX_STEPS)."""
+    unpack codes with PTX (default whenever compiled). softmax_steps: steps whose logits are all
+    computed before one update of the running max (a power of 2, capped at a page's steps;
+    default SOFTMAX_STEPS)."""
 
     num_splits: int | None = None
     programs_per_sm: int | None = None
@@ -666,17 +667,11 @@ def _scratch(shape: tuple[int, ...], device: torch.device) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _rotation(fmt, head_dim: int, device: torch.device) -> Tensor:
-    """R [D, D] with fmt.rotate(x) = x @ R (rotate is linear along the last dim). q is rotated by
-    this one matmul rather than by the fast transform, whose ~25 small torch kernels (butterfly
-    stages and casts) each cost a launch a layer and step."""
-    return fmt.rotate(torch.eye(head_dim, device=device)).float().contiguous()
-
-
-@functools.lru_cache(maxsize=None)
-def _unrotation(fmt, head_dim: int, device: torch.device) -> Tensor:
-    """U [D, D] with fmt.unrotate(x) = x @ U (unrotate is linear along the last dim)."""
-    return fmt.unrotate(torch.eye(head_dim, device=device)).float().contiguous()
+def _as_matrix(linear_map, head_dim: int, device: torch.device) -> Tensor:
+    """M [D, D] with linear_map(x) = x @ M, for a map linear along the last dim (fmt.rotate,
+    fmt.unrotate). Applied as one matmul, or one tl.dot in the kernels, rather than by the fast
+    transform's ~23 small torch kernels (butterfly stages and casts), each a launch a layer and step."""
+    return linear_map(torch.eye(head_dim, device=device)).float().contiguous()
 
 
 @functools.lru_cache(maxsize=None)
@@ -814,8 +809,8 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     softmax_steps = launch.softmax_steps or SOFTMAX_STEPS
     if softmax_steps & (softmax_steps - 1) or softmax_steps < 1:
         raise ValueError(f"softmax_steps must be a power of 2 >= 1, got {softmax_steps}")
-    qp = torch.matmul(q4.float(), _rotation(fmt, D, q.device)).to(q.dtype) if fmt.k.rotated else q4
-    unrot = _unrotation(fmt, D, q.device) if fmt.rotated else q4
+    qp = torch.matmul(q4.float(), _as_matrix(fmt.rotate, D, q.device)).to(q.dtype) if fmt.k.rotated else q4
+    unrot = _as_matrix(fmt.unrotate, D, q.device) if fmt.rotated else q4
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides

@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.runtime.jit import constexpr_function
 
 # NANOKV_PDL=0 launches every kernel in plain stream order (to measure what PDL gains)
 ENV = "NANOKV_PDL"
@@ -46,24 +45,13 @@ def enabled(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-@constexpr_function
-def _prefetch_asm(level):
-    return f"prefetch.global.L{level} [$1]; // $0"
-
-
-@triton.jit
-def prefetch(ptrs, LEVEL: tl.constexpr):
-    """Ask for the 128-byte lines at ptrs to be brought into L1 (LEVEL 1) or L2 (LEVEL 2): a hint,
-    which waits for nothing and holds no register once issued (compiled kernels only: PTX)."""
-    tl.inline_asm_elementwise(_prefetch_asm(LEVEL), "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def prefetch_weights(ptrs, PDL: tl.constexpr):
-    """Prefetch the lines at ptrs (weights only) into L2: what a kernel may do before
-    wait_then_release (no-op without PDL)."""
+    """Ask for the 128-byte lines at ptrs (weights only) to be brought into L2, without waiting
+    or holding registers: what a kernel may do before wait_then_release (no-op without PDL)."""
     if PDL:
-        prefetch(ptrs, 2)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                                  pack=1)
 
 
 @triton.jit

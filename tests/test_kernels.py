@@ -129,9 +129,10 @@ CASES = [
     ("kvmix:2v4", 128, 1, 1, "long", 1, None, ""),
     ("kvmix:4v3", 64, 7, 2, "long", 2, 2, ""),
     ("kitty-pro", 64, 7, 11, "mixed", 1, 2, "window=60,lse"),  # 77 q rows per kv head: two row blocks
-    # one softmax update per group of steps: a 2-bit page's 4 (a window masks whole groups), a 4-bit
-    # block's 2, and the 3-bit planes' 8 steps of 16 tokens across two blocks of rows
-    ("kitty", 64, 4, 1, "long", 2, 3, "window=200,softmax_steps=4"),
+    # steps per softmax update other than the default 4 (a whole 2-bit page, under which every
+    # other case runs, windows masking whole groups): one a step with a window, a 4-bit block's 2,
+    # and the 3-bit planes' 8 steps of 16 tokens across two blocks of rows
+    ("kitty", 64, 4, 1, "long", 2, 3, "window=200,softmax_steps=1"),
     ("kvarn-k4v2", 64, 4, 2, "long", 2, None, "softmax_steps=2"),
     ("kvmix:3v3", 64, 4, 1, "mixed", 2, 3, "softmax_steps=8"),
 ]
@@ -184,7 +185,8 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
     monkeypatch.setattr(attention, "_scratch", lambda shape, device: torch.full(shape, float("nan"), device=device))
     # a single query: into a given (poisoned) buffer; a block: the kernel allocates the result itself
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE) if queries == 1 else None
-    launch = attention.Launch(num_splits=splits, softmax_steps=int(opts.get("softmax_steps", 1)))
+    softmax_steps = int(opts["softmax_steps"]) if "softmax_steps" in opts else None  # None: the default
+    launch = attention.Launch(num_splits=splits, softmax_steps=softmax_steps)
     got = call(attention.decode_attention, q, c, head_dim**-0.5, out=out, launch=launch, **kw)
     if kw["return_lse"]:
         (got, lse), (want, want_lse) = got, want
