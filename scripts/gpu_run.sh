@@ -26,12 +26,12 @@ for s in $stages; do
       run kernels ${T_KERNELS:-300} python3 bench.py kernels --kv ${KERNEL_KV:-fp16,kivi-k2v2,kivi-k4v4,kitty,kitty-pro,kvmix,kvarn,nqkv} \
         --batch ${KERNEL_BATCH:-1,16,64} --ctx ${KERNEL_CTX:-4096,32768} --variants ${KERNEL_VARIANTS:-auto} ${KERNEL_ARGS:-} \
         --json "$LOG/kernels.jsonl" ;;
-    ncu)  # where the attention's page loop stalls: one profiled launch a variant (hardware counters,
-      # clocks left alone as METHOD.md asks); compare a variant with its neighbours, e.g. u4-n4-r168
+    ncu)  # where the attention's page loop stalls: one profiled launch a variant, clocks left alone as
+      # METHOD.md asks; the cycles between a warp's instructions by reason, instructions and active cycles
+      # (session 16: what showed a version with fewer instructions losing to shared-memory waits)
       for v in ${NCU_VARIANTS:-u4-n4 u4-n4-r168}; do
-        run ncu_$v ${T_NCU:-200} ncu --clock-control none --section SchedulerStats --section WarpStateStats \
-          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
-          --section SourceCounters -k regex:_split_kernel --launch-skip 3 --launch-count 1 \
+        run ncu_$v ${T_NCU:-100} ncu --clock-control none -k regex:_split_kernel --launch-skip 3 --launch-count 1 \
+          --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,smsp__cycles_active.avg,sm__warps_active.avg.pct_of_peak_sustained_active' \
           python3 bench.py kernels --kv ${NCU_KV:-kitty} --batch ${NCU_BATCH:-16} --ctx ${NCU_CTX:-32768} --variants $v --no-encode
       done ;;
     speed)
