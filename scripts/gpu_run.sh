@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then benchmarks. Everything lands in one results.tgz under $OUT
 # (the device tool returns few files); the markdown tables are printed last.
-# usage: scripts/gpu_run.sh [tests] [kernels] [ncu] [speed] [speed4k] [configs] [capacity] [tp] [tp70b]
-# (default: all but ncu, tp and tp70b; the last two need two GPUs: the nvidia-h200-x2 kind)
+# usage: scripts/gpu_run.sh [tests] [kernels] [ab] [ncu] [speed] [speed4k] [configs] [capacity] [tp] [tp70b]
+# (default: all but ab, ncu, tp and tp70b; the last two need two GPUs: the nvidia-h200-x2 kind)
 set -uo pipefail
 FINAL=${OUT:-results}; mkdir -p "$FINAL"
 LOG=$(mktemp -d)
@@ -26,6 +26,23 @@ for s in $stages; do
       run kernels ${T_KERNELS:-300} python3 bench.py kernels --kv ${KERNEL_KV:-fp16,kivi-k2v2,kivi-k4v4,kitty,kitty-pro,kvmix,kvarn,nqkv} \
         --batch ${KERNEL_BATCH:-1,16,64} --ctx ${KERNEL_CTX:-4096,32768} --variants ${KERNEL_VARIANTS:-auto} ${KERNEL_ARGS:-} \
         --json "$LOG/kernels.jsonl" ;;
+    ab)  # versions of the attention kernel timed back to back on the same cells, one process each:
+      # the tree's own kernels/attention.py first, then each file of AB_FILES (carried with the tree,
+      # e.g. a copy kept from `git show REV:kernels/attention.py`: the machine's .git may be older)
+      cp kernels/attention.py "$LOG/ab_tree.py"
+      for f in "$LOG/ab_tree.py" ${AB_FILES:-}; do
+        v=$(basename "$f" .py); cp "$f" kernels/attention.py
+        run ab_$v ${T_AB:-90} python3 bench.py kernels --kv ${AB_KV:-fp16,kitty,kivi-k2v2} --batch ${AB_BATCH:-1,16,64} \
+          --ctx ${AB_CTX:-32768} --no-encode --json "$LOG/ab_$v.jsonl"
+      done
+      cp "$LOG/ab_tree.py" kernels/attention.py
+      python3 -c "import json, sys
+runs = {f.split('/')[-1][3:-6]: {(r['kv'], r['batch'], r['context']): r['ms'] for r in map(json.loads, open(f))} for f in sys.argv[1:]}
+print('| kv | batch | context | ' + ' | '.join(f'{v} us' for v in runs) + ' |')
+print('|---|---|---|' + '---|' * len(runs))
+for k in runs['tree']:
+    print(f'| {k[0]} | {k[1]} | {k[2]} | ' + ' | '.join(f'{r[k] * 1e3:.1f}' if r.get(k) else '-' for r in runs.values()) + ' |')" \
+        "$LOG"/ab_*.jsonl > "$LOG/ab.md" ;;
     ncu)  # where the attention's page loop stalls: one profiled launch a variant, clocks left alone as
       # METHOD.md asks; the cycles between a warp's instructions by reason, instructions and active cycles
       # (session 16: what showed a version with fewer instructions losing to shared-memory waits)
