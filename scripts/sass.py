@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,8 +50,6 @@ def compile_split_kernel(kv: str, batch: int, ctx: int, spec: str):
     from kernels import attention
 
     driver.set_active(_H100())
-    attention._sm_count = lambda device: 132
-    attention.INTERPRETED = False
     seen = []
 
     class Capture:  # in place of `kernel[grid](...)`: compile only
@@ -60,13 +59,11 @@ def compile_split_kernel(kv: str, batch: int, ctx: int, spec: str):
         def __getitem__(self, grid):
             return lambda *args, **kw: seen.append((self.fn.warmup(*args, grid=grid, **kw), grid))
 
-    split, merge = attention._split_kernel, attention._merge_kernel
-    attention._split_kernel, attention._merge_kernel = Capture(split), Capture(merge)
-    try:
+    with mock.patch.multiple(attention, _sm_count=lambda device: 132, INTERPRETED=False,
+                             _split_kernel=Capture(attention._split_kernel),
+                             _merge_kernel=Capture(attention._merge_kernel)):
         (q, fmt, tiers, scale), _ = attention_inputs(kv, batch, ctx, device="cpu")
         attention.decode_attention(q, fmt, tiers, scale, launch=variant(spec))
-    finally:
-        attention._split_kernel, attention._merge_kernel = split, merge
     return seen[0]
 
 
