@@ -30,6 +30,19 @@ along the reduced axis:
 with qf and w the fp16-rounded operands, so the subtraction cancels exactly what the tensor cores
 added. NF4 levels come from byte-permute lookups in a split fp16 table (_nf4_lookup_asm).
 
+Value planes are stored channel-major (quant.base.ChannelMajor): the value product reduces over
+tokens, and Triton's fp16 operand layout for an 8-bit source holds four consecutive tokens of one
+channel per thread, which a [D, rows] plane delivers as one aligned 32-bit word (a [rows, D] plane
+took three byte permutes per word to transpose in registers). Their codes are unpacked "swapped"
+(2- and 4-bit RTN, a tile that goes straight into the product): instead of the prmt that puts
+bytes 0,1 into one register's halves, bytes 0,2 are taken as they lie and bytes 1,3 after one
+shift, three instructions per four codes instead of four. Tokens 1 and 2 of every four then
+trade places in the tile, so the key rows, the token factors and the window mask take the same
+order (_swapped) and the products still pair each weight with its value. The interpreter does
+the same exchange with reshapes (_swap_fours), so the CPU tests check this bookkeeping; the GPU
+tests check that the operand layout holds. Kitty batch 16 / 32k: 205 -> 200 us channel-major,
+-> 187 swapped too; the same swap of the keys (q's channels reordered) was slower (H100, session 17).
+
 Scales never touch the tile either: every format decodes as x = (level * scale + zero) * mult
 with scale/zero along one axis (channel or token) and mult along the other (quant/layout.py).
 Channel factors fold into q (keys) or into the step's output (values); token factors scale the
@@ -88,19 +101,40 @@ def _step_token(i, slots, rows, step):
 
 
 @constexpr_function
-def _slot_asm(bits, slot):
+def _slot_asm(bits, slot, swap):
     """PTX: four packed bytes -> the fp16 numbers offset + code of their slot `slot` (RTN codes).
-    prmt spreads bytes 0,1 and 2,3 into the 16-bit halves of two registers; one lop3 each keeps
-    the slot's bits in place and ORs in the exponent of 2^(10 - bits*slot) ((a & b) | c: 0xea)."""
+    One lop3 per register keeps the slot's bits of the low byte of each 16-bit half in place and
+    ORs in the exponent of 2^(10 - bits*slot) ((a & b) | c: 0xea). Without `swap`, two prmt first
+    spread bytes 0,1 and 2,3 into the halves of two registers, so element i comes from byte i.
+    With `swap` the first register takes bytes 0 and 2 as they lie and the second bytes 1 and 3
+    after one shift: one instruction fewer, but elements 1 and 2 trade places (module docstring)."""
     mask = ((1 << bits) - 1) << (bits * slot)
     magic = (25 - bits * slot) << 10
+    lop3 = f"{mask | mask << 16:#x}, {magic | magic << 16:#x}, 0xea;\n"
+    if swap:
+        return "{\n.reg .b32 hi;\nshr.b32 hi, $2, 8;\n" + f"lop3.b32 $0, $2, {lop3}lop3.b32 $1, hi, {lop3}}}"
     return (
         "{\n.reg .b32 lo, hi;\n"
         "prmt.b32 lo, $2, 0, 0x4140;\n"
         "prmt.b32 hi, $2, 0, 0x4342;\n"
-        f"lop3.b32 $0, lo, {mask | mask << 16:#x}, {magic | magic << 16:#x}, 0xea;\n"
-        f"lop3.b32 $1, hi, {mask | mask << 16:#x}, {magic | magic << 16:#x}, 0xea;\n}}"
+        f"lop3.b32 $0, lo, {lop3}lop3.b32 $1, hi, {lop3}}}"
     )
+
+
+@triton.jit
+def _swapped(i):
+    """i with bits 0 and 1 exchanged: the position whose element the swapped unpack puts at i
+    (an involution: 0 1 2 3 -> 0 2 1 3 in every group of four)."""
+    return (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1)
+
+
+@triton.jit
+def _swap_fours(x):
+    """x [R, C] with rows 1 and 2 of every four exchanged: what the swapped unpack does in
+    registers, done with reshapes where the PTX cannot run (interpreter)."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(x, [R // 4, 2, 2, C]), [0, 2, 1, 3]), [R, C])
 
 
 def _nf4_lookup_asm(slot: int) -> str:
@@ -139,22 +173,26 @@ NF4_ASM = tl.constexpr(tuple(_nf4_lookup_asm(slot) for slot in range(2)))
 
 
 @triton.jit
-def _levels(raw, LEVELS, BITS: tl.constexpr, SLOT: tl.constexpr, NF4: tl.constexpr, ASM: tl.constexpr):
+def _levels(raw, LEVELS, BITS: tl.constexpr, SLOT: tl.constexpr, NF4: tl.constexpr, ASM: tl.constexpr,
+            SWAP: tl.constexpr):
     """fp16 (ASM) or fp32 values of slot SLOT of the packed bytes `raw`: offset + code for RTN codes
     (_slot_offset), the level itself for NF4. The compiled path is one pure single-input asm per
-    tile, so Triton keeps the result in registers as a dot operand."""
+    tile, so Triton keeps the result in registers as a dot operand. SWAP (RTN only): the values
+    come out with rows 1 and 2 of every four exchanged (module docstring)."""
     if ASM:
         if NF4:
             x = tl.inline_asm_elementwise(NF4_ASM[SLOT], "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
         else:
-            x = tl.inline_asm_elementwise(_slot_asm(BITS, SLOT), "=r,=r,r", [raw], dtype=tl.float16, is_pure=True,
-                                          pack=4)
+            x = tl.inline_asm_elementwise(_slot_asm(BITS, SLOT, SWAP), "=r,=r,r", [raw], dtype=tl.float16,
+                                          is_pure=True, pack=4)
     else:
         code = (raw.to(tl.int32) >> (BITS * SLOT)) & ((1 << BITS) - 1)
         if NF4:
             x = tl.load(LEVELS + code)
         else:
             x = code.to(tl.float32) + _slot_offset(BITS, SLOT)
+            if SWAP:
+                x = _swap_fours(x)
     return x
 
 
@@ -169,14 +207,17 @@ def _token_factor(PTR, page, h, t, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, S
 @triton.jit
 def _page_token_factors(PTR, page, h, USED: tl.constexpr, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr,
                         S_TOK: tl.constexpr, HDIV: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
-                        PAGE_TOKENS: tl.constexpr):
+                        PAGE_TOKENS: tl.constexpr, SWAPPED: tl.constexpr):
     """A page's per-token factor (scale, zero or multiplier) as a float32 [steps, STEP] tile, row i
-    for step i of _pages' step loop (i = block * slots + slot), loaded at the page's start in one
-    go (zeros, never read, unless USED). Loaded at its own step, a factor held that step up: it
-    reaches the logits' layout through shared memory, and the store waited on the load (ncu,
-    kitty batch 16 / 32k)."""
+    for step i of _pages' step loop (i = block * slots + slot), in the steps' token order (SWAPPED:
+    _swapped), loaded at the page's start in one go (zeros, never read, unless USED). Loaded at
+    its own step, a factor held that step up: it reaches the logits' layout through shared
+    memory, and the store waited on the load (ncu, kitty batch 16 / 32k)."""
     i = tl.arange(0, PAGE_TOKENS // STEP)
-    t = (i % (PAGE_TOKENS // ROWS) * ROWS + i // (PAGE_TOKENS // ROWS) * STEP)[:, None] + tl.arange(0, STEP)[None, :]
+    j = tl.arange(0, STEP)
+    if SWAPPED:
+        j = _swapped(j)
+    t = (i % (PAGE_TOKENS // ROWS) * ROWS + i // (PAGE_TOKENS // ROWS) * STEP)[:, None] + j[None, :]
     factors = tl.zeros([PAGE_TOKENS // STEP, STEP], tl.float32)
     if USED:
         factors = _token_factor(PTR, page, h, t, S_PAGE, S_HEAD, S_TOK, HDIV)
@@ -197,29 +238,35 @@ def _channel_factor(PTR, page, h, d, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr)
 
 
 @triton.jit
-def _rows(base, rows, c, c_ok, COLS: tl.constexpr, MASKED: tl.constexpr):
-    """Rows of a [ROWS, COLS] plane at columns c; c_ok masks padded columns (Kitty's high plane,
-    MASKED); full-width planes need no mask."""
+def _rows(base, rows, c, c_ok, COLS: tl.constexpr, MASKED: tl.constexpr, CM: tl.constexpr):
+    """Rows of a [ROWS, COLS] plane at columns c, or with CM > 0 of a channel-major [COLS, CM]
+    plane (ChannelMajor), as a [len(rows), len(c)] tile; c_ok masks padded columns (Kitty's high
+    plane, MASKED); full-width planes need no mask."""
+    if CM > 0:
+        off = rows[:, None] + c[None, :] * CM
+    else:
+        off = rows[:, None] * COLS + c[None, :]
     if MASKED:
-        return tl.load(base + rows[:, None] * COLS + c[None, :], mask=c_ok[None, :], other=0)
-    return tl.load(base + rows[:, None] * COLS + c[None, :])
+        return tl.load(base + off, mask=c_ok[None, :], other=0)
+    return tl.load(base + off)
 
 
 @triton.jit
 def _tile(base, t, c, c_ok, LEVELS, t0: tl.constexpr, STEP: tl.constexpr, COLS: tl.constexpr,
           MASKED: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, NF4: tl.constexpr, ASM: tl.constexpr, raw,
-          PRELOADED: tl.constexpr):
+          PRELOADED: tl.constexpr, SWAP: tl.constexpr, CM: tl.constexpr):
     """Tokens t = t0 + arange(STEP), columns c (c_ok: the ones that exist) of one kv head's [ROWS,
     COLS] plane of a page (at `base`) as a [STEP, len(c)] tile of levels carrying _tile_offset.
-    With PRELOADED, `raw` holds the step's rows of the plane already."""
+    With PRELOADED, `raw` holds the step's rows of the plane already. SWAP: see _levels (a step
+    inside one slot only). CM: see _rows."""
     if BITS == 16:  # fp16 pages: rows are tokens (only K and V planes: no column mask)
         x = tl.load(base + t[:, None] * COLS + c[None, :])
     elif ROWS % STEP == 0:  # the step lies in one slot of a block of rows: a constant shift
         if not PRELOADED:
-            raw = _rows(base, t % ROWS, c, c_ok, COLS, MASKED)
-        x = _levels(raw, LEVELS, BITS, t0 // ROWS, NF4, ASM)
+            raw = _rows(base, t % ROWS, c, c_ok, COLS, MASKED, CM)
+        x = _levels(raw, LEVELS, BITS, t0 // ROWS, NF4, ASM, SWAP)
     else:  # a step across slots, or 3-bit words (10 tokens in ceil(T/10) rows): a shift per token
-        raw = _rows(base, t % ROWS, c, c_ok, COLS, MASKED)
+        raw = _rows(base, t % ROWS, c, c_ok, COLS, MASKED, CM)
         code = (raw.to(tl.int32) >> (BITS * (t // ROWS))[:, None]) & ((1 << BITS) - 1)
         if NF4:
             x = tl.load(LEVELS + code)
@@ -291,23 +338,30 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
            K_HAS_ZERO: tl.constexpr, K_MULT_KIND: tl.constexpr, K_NF4: tl.constexpr, K_N_HIGH: tl.constexpr,
            V_BITS: tl.constexpr, V_ROWS: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_S_PAGE: tl.constexpr,
            V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
-           V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, SOFTMAX_STEPS: tl.constexpr):
+           V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, SOFTMAX_STEPS: tl.constexpr,
+           V_SWAP: tl.constexpr, K_CHANNEL_MAJOR: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr):
     """Attention of the query rows q [N, D] over the quantized pages [p0, p1) of a row: the running
     max m [N] (it may lag behind the true max, see LAZY_MAX), the sum l [N] of the weights, the
     unnormalized output acc [D, N] (transposed), and corr [N]: what acc still holds of the value
     offsets (and zeros), to subtract before normalizing. Sums over tokens are kept per [STEP, N]
-    position and reduced once at the end."""
+    position and reduced once at the end. V_SWAP: the value codes are unpacked swapped, and a
+    step's tokens taken in that order (module docstring)."""
     # finite start: a masked (-inf) logit then weighs exp2(-inf) = 0, never NaN
     m_i = tl.full([BLOCK_N], -1e30, tl.float32)
     acc = tl.zeros([D, BLOCK_N], tl.float32)
     l_tile = tl.zeros([STEP, BLOCK_N], tl.float32)
     corr_tile = tl.zeros([STEP, BLOCK_N], tl.float32)
     rs = tl.arange(0, STEP)
+    # a step's tiles hold its tokens in this order: swapped values trade tokens inside fours, so
+    # the keys' rows, the token factors and the window mask follow them
+    ts = _swapped(rs) if V_SWAP else rs
     r = tl.arange(0, NB_PAD)
     r_ok = r < K_N_HIGH
     # value factors that live outside the [D, N] accumulator's running sum: per-channel scales
     # (or KVarN's per-channel multiplier) differ from page to page, so those steps keep their product apart
     V_APART: tl.constexpr = (not V_PER_TOKEN and V_BITS != 16) or V_MULT_KIND == 2
+    K_CM: tl.constexpr = K_ROWS if K_CHANNEL_MAJOR else 0  # (_rows)
+    V_CM: tl.constexpr = V_ROWS if V_CHANNEL_MAJOR else 0
     SLOTS: tl.constexpr = PAGE_TOKENS // ROWS  # steps per block of rows
     STEPS: tl.constexpr = PAGE_TOKENS // STEP  # steps per page
     page_next = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0).to(tl.int64)
@@ -340,7 +394,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
             hi_plane = K_HIGH + page * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH)
             hi_raw = rs
             if K_ROWS == STEP:
-                hi_raw = _rows(hi_plane, rs, r, r_ok, K_N_HIGH, True)
+                hi_raw = _rows(hi_plane, ts, r, r_ok, K_N_HIGH, True, 0)
         # ---- values: per-channel factors of the page --------------------------------------------
         if V_MULT_KIND == 2:
             v_chan = _channel_factor(V_MULT, page, h, d, H * D, D)
@@ -356,37 +410,37 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
         k_raw = rs
         v_raw = rs
         if K_ROWS == STEP:
-            k_raw = _rows(k_plane, rs, d, d, D, False)
+            k_raw = _rows(k_plane, ts, d, d, D, False, K_CM)
         if V_ROWS == STEP:
-            v_raw = _rows(v_plane, rs, d, d, D, False)
+            v_raw = _rows(v_plane, rs, d, d, D, False, V_CM)
         K_TOKEN_SCALED: tl.constexpr = K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16)
         V_TOKEN_SCALED: tl.constexpr = V_PER_TOKEN and (V_GROUP >= D) and (V_BITS != 16)
         k_scales = _page_token_factors(K_SCALE, page, h, K_TOKEN_SCALED, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV,
-                                       ROWS, STEP, PAGE_TOKENS)
+                                       ROWS, STEP, PAGE_TOKENS, V_SWAP)
         k_zeros = _page_token_factors(K_ZERO, page, h, K_TOKEN_SCALED and K_HAS_ZERO, K_S_PAGE, K_S_HEAD,
-                                      K_S_TOK, K_HDIV, ROWS, STEP, PAGE_TOKENS)
+                                      K_S_TOK, K_HDIV, ROWS, STEP, PAGE_TOKENS, V_SWAP)
         k_mults = _page_token_factors(K_MULT, page, h, K_MULT_KIND == 1, H * PAGE_TOKENS, PAGE_TOKENS, 1, 1, ROWS, STEP,
-                                      PAGE_TOKENS)
+                                      PAGE_TOKENS, V_SWAP)
         v_scales = _page_token_factors(V_SCALE, page, h, V_TOKEN_SCALED, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV,
-                                       ROWS, STEP, PAGE_TOKENS)
+                                       ROWS, STEP, PAGE_TOKENS, V_SWAP)
         v_zeros = _page_token_factors(V_ZERO, page, h, V_PER_TOKEN and V_HAS_ZERO and (V_BITS != 16), V_S_PAGE,
-                                      V_S_HEAD, V_S_TOK, V_HDIV, ROWS, STEP, PAGE_TOKENS)
+                                      V_S_HEAD, V_S_TOK, V_HDIV, ROWS, STEP, PAGE_TOKENS, V_SWAP)
         v_mults = _page_token_factors(V_MULT, page, h, V_MULT_KIND == 1, H * PAGE_TOKENS, PAGE_TOKENS, 1, 1, ROWS, STEP,
-                                      PAGE_TOKENS)
+                                      PAGE_TOKENS, V_SWAP)
         # Steps come in groups of SOFTMAX_STEPS: the group's logits first, then one update of the
         # running max (and, rarely, one rescale) for all of them, then their values. One reduction
         # and one branch per group, and the group's products do not wait on each other's softmax.
         for g0 in tl.static_range(0, STEPS, SOFTMAX_STEPS):
             logits = ()
             for i in tl.static_range(g0, g0 + SOFTMAX_STEPS):
-                t = _step_token(i, SLOTS, ROWS, STEP) + rs
+                t = _step_token(i, SLOTS, ROWS, STEP) + ts
                 # logits of the step's tokens, transposed: [STEP, N]
                 if (K_ROWS != STEP) and (K_ROWS == ROWS) and (i % SLOTS == 0):  # a new block of rows
-                    k_raw = _rows(k_plane, t, d, d, D, False)
+                    k_raw = _rows(k_plane, t, d, d, D, False, K_CM)
                     if K_N_HIGH > 0:
-                        hi_raw = _rows(hi_plane, t, r, r_ok, K_N_HIGH, True)
+                        hi_raw = _rows(hi_plane, t, r, r_ok, K_N_HIGH, True, 0)
                 k = _tile(k_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, K_BITS, K_ROWS,
-                          K_NF4, ASM, k_raw, (K_ROWS == STEP) or (K_ROWS == ROWS))
+                          K_NF4, ASM, k_raw, (K_ROWS == STEP) or (K_ROWS == ROWS), False, K_CM)
                 k_off = _tile_offset(K_BITS, K_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), K_NF4)
                 if K_PER_TOKEN and (K_GROUP < D):  # decoded in the tile: nothing left to correct after the product
                     k = _grouped(k, K_SCALE, K_ZERO, page, h, t, d, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP,
@@ -411,7 +465,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
                 if K_N_HIGH > 0:  # (its offset is in k_bias)
                     tl.static_assert((not K_PER_TOKEN) and (K_BITS != 16), "boosted channels need per-channel keys")
                     hi = _tile(hi_plane, t, r, r_ok, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, K_N_HIGH, True, 2,
-                               K_ROWS, False, ASM, hi_raw, (K_ROWS == STEP) or (K_ROWS == ROWS))
+                               K_ROWS, False, ASM, hi_raw, (K_ROWS == STEP) or (K_ROWS == ROWS), False, 0)
                     s = tl.dot(hi.to(dt), tl.trans(q_hi), s)
                 if K_MULT_KIND == 1:
                     s *= _step_row(k_mults, i)[:, None]
@@ -436,9 +490,9 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
                 #   per token:   o = mult_d * (sum_t (w scale_t) level_t - off * sum(w scale) + sum(w zero))
                 #   per channel: o = scale_d * (sum_t (w mult_t) level_t - off * sum(w mult)) + zero_d * sum(w mult)
                 if (V_ROWS != STEP) and (V_ROWS == ROWS) and (i % SLOTS == 0):
-                    v_raw = _rows(v_plane, t, d, d, D, False)
+                    v_raw = _rows(v_plane, t, d, d, D, False, V_CM)
                 v = _tile(v_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, V_BITS, V_ROWS,
-                          V_NF4, ASM, v_raw, (V_ROWS == STEP) or (V_ROWS == ROWS))
+                          V_NF4, ASM, v_raw, (V_ROWS == STEP) or (V_ROWS == ROWS), V_SWAP, V_CM)
                 v_off = _tile_offset(V_BITS, V_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), V_NF4)
                 if V_PER_TOKEN and (V_GROUP < D):
                     v = _grouped(v, V_SCALE, V_ZERO, page, h, t, d, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
@@ -500,10 +554,12 @@ def _split_kernel(
     K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
     K_S_HEAD: tl.constexpr, K_S_TOK: tl.constexpr, K_HDIV: tl.constexpr, K_GROUP: tl.constexpr,
     K_HAS_ZERO: tl.constexpr, K_MULT_KIND: tl.constexpr, K_NF4: tl.constexpr, K_N_HIGH: tl.constexpr,
+    K_CHANNEL_MAJOR: tl.constexpr,
     V_BITS: tl.constexpr, V_ROWS: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_S_PAGE: tl.constexpr,
     V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, V_N_HIGH: tl.constexpr,
-    PDL: tl.constexpr, SOFTMAX_STEPS: tl.constexpr,
+    V_CHANNEL_MAJOR: tl.constexpr,
+    PDL: tl.constexpr, SOFTMAX_STEPS: tl.constexpr, V_SWAP: tl.constexpr,
 ):
     wait_then_release(PDL)  # every program, the empty splits too (pdl.py)
     bh = tl.program_id(0)
@@ -548,7 +604,7 @@ def _split_kernel(
             V_MULT, dt, H, D, BLOCK_N, PAGE_TOKENS, STEP, BLOCK_ROWS, NB_PAD, HAS_WINDOW, ASM,
             K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO, K_MULT_KIND,
             K_NF4, K_N_HIGH, V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
-            V_HAS_ZERO, V_MULT_KIND, V_NF4, SOFTMAX_STEPS)
+            V_HAS_ZERO, V_MULT_KIND, V_NF4, SOFTMAX_STEPS, V_SWAP, K_CHANNEL_MAJOR, V_CHANNEL_MAJOR)
         acc -= corr[None, :]
         if ROTATED and ONE_PROGRAM:  # back from the rotated domain: o @ U, here U^T @ o^T (linear, so before
             # normalizing); with splits the merge does it once per row, on the sum of the page partials
@@ -652,7 +708,8 @@ class Launch:
     launch options (defaults NUM_WARPS, NUM_WARPS_ROTATED or FP16_PAGE_WARPS, NUM_STAGES). asm:
     unpack codes with PTX (default whenever compiled). softmax_steps: steps whose logits are all
     computed before one update of the running max (a power of 2, capped at a page's steps;
-    default SOFTMAX_STEPS)."""
+    default SOFTMAX_STEPS). swap: unpack the values' codes swapped where _swappable allows
+    (default SWAP)."""
 
     num_splits: int | None = None
     programs_per_sm: int | None = None
@@ -666,6 +723,7 @@ class Launch:
     asm: bool | None = None
     pdl: bool | None = None
     softmax_steps: int | None = None
+    swap: bool | None = None
 
 
 def _scratch(shape: tuple[int, ...], device: torch.device) -> Tensor:
@@ -727,6 +785,8 @@ NUM_STAGES = 1
 # kernel table, and 8 was level with 4 (H100, session 15; with BLOCK_N_MIN 4, kitty at batch
 # 16 / 32k went from 274 to 218 us). NANOKV_SOFTMAX_STEPS sets it for every launch.
 SOFTMAX_STEPS = int(os.environ.get("NANOKV_SOFTMAX_STEPS", "4"))
+# Values unpacked swapped (module docstring), Launch.swap: NANOKV_SWAP=0 turns it off for every launch.
+SWAP = os.environ.get("NANOKV_SWAP", "1") != "0"
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
 # (up to ~128) splits should take one or two rounds, not eight.
 MERGE_CHUNK = 64
@@ -759,6 +819,14 @@ def _block_rows(kl: Layout, vl: Layout, step: int) -> int:
     rows); steps go over its blocks of `step` rows, and over every slot of a block in turn."""
     rows = [lay.rows for lay in (kl, vl) if lay.rows % step == 0 and lay.rows & (lay.rows - 1) == 0]
     return max(rows + [step])
+
+
+def _swappable(lay: Layout, step: int, head_dim: int) -> bool:
+    """Whether a value plane's tiles may be unpacked swapped: RTN codes of 2 or 4 bits read one slot
+    per step (_slot_asm), whose tile goes straight into the product (so the exchanged elements are
+    four consecutive tokens, its reduced axis, where the weights' matching order undoes them).
+    Tiles decoded element by element first (scales per group of channels) are not."""
+    return lay.bits in (2, 4) and not lay.nf4 and lay.rows % step == 0 and not (lay.per_token and lay.group < head_dim)
 
 
 def _step(kl: Layout, vl: Layout) -> int:
@@ -816,6 +884,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     softmax_steps = launch.softmax_steps or SOFTMAX_STEPS
     if softmax_steps & (softmax_steps - 1) or softmax_steps < 1:
         raise ValueError(f"softmax_steps must be a power of 2 >= 1, got {softmax_steps}")
+    swap = SWAP if launch.swap is None else launch.swap
     qp = torch.matmul(q4.float(), _as_matrix(fmt.rotate, D, q.device)).to(q.dtype) if fmt.k.rotated else q4
     unrot = _as_matrix(fmt.unrotate, D, q.device) if fmt.rotated else q4
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
@@ -849,6 +918,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         ONE_PROGRAM=one, RETURN_LSE=return_lse,
         **kl.constexprs("K_"), **vl.constexprs("V_"),
         SOFTMAX_STEPS=min(softmax_steps, PAGE_TOKENS // step), **options, **pdl,
+        V_SWAP=swap and _swappable(vl, step, D),
     )
     if not one:
         d_block = min(D, 32)

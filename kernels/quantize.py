@@ -108,7 +108,7 @@ def _encode_kernel(
     ROWS_PAD: tl.constexpr, ROTATE: tl.constexpr, SINKHORN: tl.constexpr, SCORE: tl.constexpr,
     BITS: tl.constexpr, ROWS: tl.constexpr, PER_TOKEN: tl.constexpr, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr,
     S_TOK: tl.constexpr, HDIV: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, MULT_KIND: tl.constexpr,
-    NF4: tl.constexpr, N_HIGH: tl.constexpr,
+    NF4: tl.constexpr, N_HIGH: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -208,7 +208,10 @@ def _encode_kernel(
         shift = BITS * j
         rows = tl.arange(0, ROWS_PAD)[:, None]
         row_ok = rows < ROWS
-        plane = page * (H * ROWS * D) + h * (ROWS * D) + rows * D + c[None, :]
+        if CHANNEL_MAJOR:  # [D, ROWS] (quant.base.ChannelMajor)
+            plane = page * (H * ROWS * D) + h * (ROWS * D) + rows + c[None, :] * ROWS
+        else:
+            plane = page * (H * ROWS * D) + h * (ROWS * D) + rows * D + c[None, :]
         if N_HIGH > 0:
             # dense plane: the 2 low bits of every channel; sparse plane: the 2 high bits of boosted ones at their rank
             packed = tl.sum((code & 3) << shift, 0)

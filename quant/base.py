@@ -9,6 +9,7 @@ to the attention output where a codec stores rotated pages, and the format of a 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -77,14 +78,64 @@ class Fp16Codec(TileCodec):
         return Layout.with_channel_scales(16, heads, head_dim, tokens, ("x", None, None, None, None, None))
 
 
+@dataclass(frozen=True)
+class ChannelMajor(TileCodec):
+    """`inner` with its code plane stored transposed, [H, D, rows] instead of [H, rows, D]: each
+    channel's packed tokens contiguous. Every format's quantized values are stored so. The
+    attention multiplies values with the tokens on the reduced axis, where the tensor cores'
+    operand layout puts four consecutive tokens of one channel in each thread: four code rows of
+    a channel are then one aligned 32-bit load, where a [rows, D] plane took three byte permutes
+    per register to transpose in registers (kernels/attention.py)."""
+
+    inner: TileCodec
+
+    def __getattr__(self, name: str):  # the inner codec's options (bits, group, ...)
+        if name == "inner":  # not set yet (copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def rotated(self) -> bool:
+        return self.inner.rotated
+
+    @property
+    def needs_queries(self) -> bool:
+        return self.inner.needs_queries
+
+    def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
+        specs = dict(self.inner.field_specs(heads, head_dim, tokens))
+        shape, dtype = specs["codes"]
+        specs["codes"] = ((*shape[:-2], shape[-1], shape[-2]), dtype)
+        return specs
+
+    def encode(self, x: Tensor, *query_weight: Tensor) -> dict[str, Tensor]:
+        fields = self.inner.encode(x, *query_weight)
+        return {**fields, "codes": fields["codes"].transpose(-1, -2).contiguous()}
+
+    def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
+        return self.inner.decode({**fields, "codes": fields["codes"].transpose(-1, -2)}, tokens)
+
+    def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
+        return dataclasses.replace(self.inner.kernel_layout(heads, head_dim, tokens), channel_major=True)
+
+    def unrotate(self, x: Tensor) -> Tensor:
+        return self.inner.unrotate(x)
+
+    def __repr__(self) -> str:
+        return f"ChannelMajor({self.inner})"
+
+
 class KVFormat:
-    """A named (K codec, V codec) pair: what one page of one layer stores."""
+    """A named (K codec, V codec) pair: what one page of one layer stores. Quantized values are
+    kept channel-major (ChannelMajor)."""
 
     # Full-precision sink tokens this format keeps: None = the cache's setting; 0 for a method as
     # published without sink tokens (e.g. KIVI).
     sink: int | None = None
 
     def __init__(self, name: str, k: TileCodec, v: TileCodec, sink: int | None = None):
+        if not isinstance(v, (Fp16Codec, ChannelMajor)):
+            v = ChannelMajor(v)
         self.name, self.k, self.v, self.sink = name, k, v, sink
 
     def sink_tokens(self, default: int) -> int:

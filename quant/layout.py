@@ -47,6 +47,7 @@ class Layout:
     mult_kind: int = 0  # 0 none, 1 per-token factor [H, T], 2 per-channel factor [H, D]
     nf4: bool = False  # level(code) = NF4 table lookup
     n_high: int = 0  # Kitty: boosted channels with a sparse high plane (0: none)
+    channel_major: bool = False  # code plane stored [D, rows] (ChannelMajor: value pages) instead of [rows, D]
     # encode only (attention ignores them)
     rotate: bool = False  # x @ Hd before anything else (KVarN)
     sinkhorn_iters: int = 0  # rounds of Sinkhorn balance, whose kept factor becomes mult (KVarN; 0: none)
@@ -76,7 +77,7 @@ class Layout:
         """The constants every kernel takes (not the encode-only ones) as keyword arguments, prefixed
         with e.g. 'K_' or 'V_'."""
         names = ("bits", "rows", "per_token", "s_page", "s_head", "s_tok", "hdiv", "group", "has_zero",
-                 "mult_kind", "nf4", "n_high")
+                 "mult_kind", "nf4", "n_high", "channel_major")
         return {f"{prefix}{n.upper()}": int(getattr(self, n)) for n in names}
 
     def pointers(self, pages: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:

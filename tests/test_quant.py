@@ -292,13 +292,16 @@ def test_roundtrip_shapes_dtypes_and_error(name, heads, head_dim):
 
 @pytest.mark.parametrize("name", quant.FORMAT_NAMES)
 def test_kernel_layout_addresses_the_stored_fields(name):
-    """A codec's kernel layout names exactly the fields it stores, its code plane with the rows it has."""
+    """A codec's kernel layout names exactly the fields it stores, its code plane with the rows it
+    has, [H, rows, D] or, for quantized values, channel-major [H, D, rows]."""
     for heads, head_dim in ((1, 64), (3, 128)):
         for fmt in layer_formats(name):
             for codec in (fmt.k, fmt.v):
                 lay, specs = codec.kernel_layout(heads, head_dim), codec.field_specs(heads, head_dim)
                 assert {f for f in lay.fields if f is not None} == set(specs), (fmt.name, codec)
-                assert specs[lay.fields[0]][0][1] == lay.rows, (fmt.name, codec)
+                assert lay.channel_major == (codec is fmt.v and lay.bits != 16), (fmt.name, codec)
+                plane = specs[lay.fields[0]][0]
+                assert plane == ((heads, head_dim, lay.rows) if lay.channel_major else (heads, lay.rows, head_dim))
 
 
 @pytest.mark.parametrize("name", quant.FORMAT_NAMES)
