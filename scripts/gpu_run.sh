@@ -48,7 +48,7 @@ for k in runs['tree']:
       # (session 16: what showed a version with fewer instructions losing to shared-memory waits)
       for v in ${NCU_VARIANTS:-u4-n4 u4-n4-r168}; do
         run ncu_$v ${T_NCU:-100} ncu --clock-control none -k regex:_split_kernel --launch-skip 3 --launch-count 1 \
-          --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,smsp__cycles_active.avg,sm__warps_active.avg.pct_of_peak_sustained_active' \
+          --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,smsp__cycles_active.avg,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active' \
           python3 bench.py kernels --kv ${NCU_KV:-kitty} --batch ${NCU_BATCH:-16} --ctx ${NCU_CTX:-32768} --variants $v --no-encode
       done ;;
     speed)
