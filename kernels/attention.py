@@ -40,7 +40,8 @@ shift, three instructions per four codes instead of four. Tokens 1 and 2 of ever
 trade places in the tile, so the key rows, the token factors and the window mask take the same
 order (_swapped) and the products still pair each weight with its value. The interpreter does
 the same exchange with reshapes (_swap_fours), so the CPU tests check this bookkeeping; the GPU
-tests check that the operand layout holds. Kitty batch 16 / 32k: 205 -> 200 us channel-major,
+tests check that the operand layout holds. (The PTX strings themselves are checked on CPU too,
+by a model of their instructions in tests/test_kernels.py.) Kitty batch 16 / 32k: 205 -> 200 us channel-major,
 -> 187 swapped too; the same swap of the keys (q's channels reordered) was slower (H100, session 17).
 
 Scales never touch the tile either: every format decodes as x = (level * scale + zero) * mult

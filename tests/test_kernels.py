@@ -10,7 +10,9 @@
 - the Triton RMSNorm, RoPE, SiLU-gate and RoPE+K/V-store kernels against their torch expressions, on
   strided views and sizes that are not powers of two, in float32 and (rounding order) float16;
 - the Triton GEMV (every tile shape the engine may pick, split-K, bias, 1 to 16 rows) and, on a
-  GPU, the per-shape kernel choice of kernels.linear, against F.linear.
+  GPU, the per-shape kernel choice of kernels.linear, against F.linear;
+- the attention's PTX for unpacking codes (RTN slots, swapped or not, and NF4 lookups), run by a
+  small model of its instructions, against the values the codes stand for.
 
 Without a GPU the kernels run under the Triton interpreter in float32 (relative error < 1e-3);
 with one they are compiled and fed fp16 operands (< 1e-2). TRITON_INTERPRET must be set
@@ -18,6 +20,7 @@ before the kernel modules are imported, hence the order below.
 """
 
 import os
+import struct
 import zlib
 
 import pytest
@@ -219,6 +222,77 @@ def test_tile_options_do_not_change_the_result(name: str):
         call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(step=128))
     with pytest.raises(ValueError, match="softmax_steps must"):
         call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(softmax_steps=3))
+
+
+def _run_ptx(asm: str, word: int) -> tuple[int, int]:
+    """Our reading of the few PTX b32 instructions the unpack asm uses (mov, and, or, shl, shr,
+    lop3, prmt in its default and sign-replicate modes), run on one input word $2: the outputs
+    $0 and $1. The interpreter cannot run PTX, so this is what checks the asm strings on CPU."""
+    regs = {"$2": word}
+    for line in asm.replace("{", "").replace("}", "").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        a = [regs[x] if x in regs else int(x, 0) for x in src]
+        if op == "mov.b32":
+            r = a[0]
+        elif op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "or.b32":
+            r = a[0] | a[1]
+        elif op == "shl.b32":
+            r = (a[0] << a[1]) & 0xFFFFFFFF
+        elif op == "shr.b32":  # logical for .b32
+            r = a[0] >> a[1]
+        elif op == "lop3.b32":  # bit i of the result: bit (a_i b_i c_i) of the truth table
+            r = sum((a[3] >> ((a[0] >> i & 1) << 2 | (a[1] >> i & 1) << 1 | (a[2] >> i & 1)) & 1) << i
+                    for i in range(32))
+        elif op == "prmt.b32":  # result byte i = byte (nibble_i & 7) of {a[1], a[0]}; nibble bit 3: its sign
+            pool, r = a[1] << 32 | a[0], 0
+            for i in range(4):
+                n = a[2] >> 4 * i & 0xF
+                byte = pool >> 8 * (n & 7) & 0xFF
+                r |= (0xFF * (byte >> 7) if n & 8 else byte) << 8 * i
+        else:
+            raise AssertionError(f"no model of {op}")
+        regs[dst] = r
+    return regs["$0"], regs["$1"]
+
+
+def _halves(r0: int, r1: int) -> list[float]:
+    """The four fp16 numbers of two 32-bit registers, low half first."""
+    return list(struct.unpack("<4e", struct.pack("<2I", r0, r1)))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("swap", [False, True])
+def test_unpack_asm_gives_offset_plus_code(bits: int, swap: bool):
+    """Slot s of four packed bytes (bits-wide codes at bits [bits*s, bits*(s+1)) of each) comes out
+    as the fp16 numbers 2^(10 - bits*s) + code, byte i as element i, or swapped: bytes 0 2 1 3."""
+    gen = torch.Generator().manual_seed(5)
+    words = [0, 0xFFFFFFFF] + torch.randint(0, 2**32, (200,), generator=gen, dtype=torch.int64).tolist()
+    order = [0, 2, 1, 3] if swap else [0, 1, 2, 3]
+    for slot in range(8 // bits):
+        asm = attention._slot_asm(bits, slot, swap)
+        for w in words:
+            codes = [(w >> 8 * i >> bits * slot) & ((1 << bits) - 1) for i in order]
+            assert _halves(*_run_ptx(asm, w)) == [2.0 ** (10 - bits * slot) + c for c in codes], (slot, hex(w))
+
+
+def test_nf4_asm_gives_the_levels():
+    """Slot s (the low or high nibble of each byte) of four packed bytes comes out as the fp16 NF4
+    levels of those codes, byte i as element i."""
+    gen = torch.Generator().manual_seed(6)
+    words = [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98] + torch.randint(0, 2**32, (200,), generator=gen,
+                                                                  dtype=torch.int64).tolist()
+    levels = quant.NF4_LEVELS.half().tolist()
+    for slot in range(2):
+        asm = attention._nf4_lookup_asm(slot)
+        for w in words:
+            want = [levels[w >> 8 * i >> 4 * slot & 0xF] for i in range(4)]
+            assert _halves(*_run_ptx(asm, w)) == want, (slot, hex(w))
 
 
 def test_fp16_page_steps_do_not_change_the_result():
