@@ -206,19 +206,16 @@ def _token_factor(PTR, page, h, t, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, S
 
 
 @triton.jit
-def _page_token_factors(PTR, page, h, USED: tl.constexpr, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr,
+def _page_token_factors(PTR, page, h, ts, USED: tl.constexpr, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr,
                         S_TOK: tl.constexpr, HDIV: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
-                        PAGE_TOKENS: tl.constexpr, SWAPPED: tl.constexpr):
+                        PAGE_TOKENS: tl.constexpr):
     """A page's per-token factor (scale, zero or multiplier) as a float32 [steps, STEP] tile, row i
-    for step i of _pages' step loop (i = block * slots + slot), in the steps' token order (SWAPPED:
-    _swapped), loaded at the page's start in one go (zeros, never read, unless USED). Loaded at
+    for step i of _pages' step loop (i = block * slots + slot), its columns in the steps' token
+    order ts, loaded at the page's start in one go (zeros, never read, unless USED). Loaded at
     its own step, a factor held that step up: it reaches the logits' layout through shared
     memory, and the store waited on the load (ncu, kitty batch 16 / 32k)."""
     i = tl.arange(0, PAGE_TOKENS // STEP)
-    j = tl.arange(0, STEP)
-    if SWAPPED:
-        j = _swapped(j)
-    t = (i % (PAGE_TOKENS // ROWS) * ROWS + i // (PAGE_TOKENS // ROWS) * STEP)[:, None] + j[None, :]
+    t = (i % (PAGE_TOKENS // ROWS) * ROWS + i // (PAGE_TOKENS // ROWS) * STEP)[:, None] + ts[None, :]
     factors = tl.zeros([PAGE_TOKENS // STEP, STEP], tl.float32)
     if USED:
         factors = _token_factor(PTR, page, h, t, S_PAGE, S_HEAD, S_TOK, HDIV)
@@ -416,18 +413,18 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
             v_raw = _rows(v_plane, rs, d, d, D, False, V_CM)
         K_TOKEN_SCALED: tl.constexpr = K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16)
         V_TOKEN_SCALED: tl.constexpr = V_PER_TOKEN and (V_GROUP >= D) and (V_BITS != 16)
-        k_scales = _page_token_factors(K_SCALE, page, h, K_TOKEN_SCALED, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV,
-                                       ROWS, STEP, PAGE_TOKENS, V_SWAP)
-        k_zeros = _page_token_factors(K_ZERO, page, h, K_TOKEN_SCALED and K_HAS_ZERO, K_S_PAGE, K_S_HEAD,
-                                      K_S_TOK, K_HDIV, ROWS, STEP, PAGE_TOKENS, V_SWAP)
-        k_mults = _page_token_factors(K_MULT, page, h, K_MULT_KIND == 1, H * PAGE_TOKENS, PAGE_TOKENS, 1, 1, ROWS, STEP,
-                                      PAGE_TOKENS, V_SWAP)
-        v_scales = _page_token_factors(V_SCALE, page, h, V_TOKEN_SCALED, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV,
-                                       ROWS, STEP, PAGE_TOKENS, V_SWAP)
-        v_zeros = _page_token_factors(V_ZERO, page, h, V_PER_TOKEN and V_HAS_ZERO and (V_BITS != 16), V_S_PAGE,
-                                      V_S_HEAD, V_S_TOK, V_HDIV, ROWS, STEP, PAGE_TOKENS, V_SWAP)
-        v_mults = _page_token_factors(V_MULT, page, h, V_MULT_KIND == 1, H * PAGE_TOKENS, PAGE_TOKENS, 1, 1, ROWS, STEP,
-                                      PAGE_TOKENS, V_SWAP)
+        k_scales = _page_token_factors(K_SCALE, page, h, ts, K_TOKEN_SCALED, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV,
+                                       ROWS, STEP, PAGE_TOKENS)
+        k_zeros = _page_token_factors(K_ZERO, page, h, ts, K_TOKEN_SCALED and K_HAS_ZERO, K_S_PAGE, K_S_HEAD,
+                                      K_S_TOK, K_HDIV, ROWS, STEP, PAGE_TOKENS)
+        k_mults = _page_token_factors(K_MULT, page, h, ts, K_MULT_KIND == 1, H * PAGE_TOKENS, PAGE_TOKENS, 1, 1,
+                                      ROWS, STEP, PAGE_TOKENS)
+        v_scales = _page_token_factors(V_SCALE, page, h, ts, V_TOKEN_SCALED, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV,
+                                       ROWS, STEP, PAGE_TOKENS)
+        v_zeros = _page_token_factors(V_ZERO, page, h, ts, V_PER_TOKEN and V_HAS_ZERO and (V_BITS != 16), V_S_PAGE,
+                                      V_S_HEAD, V_S_TOK, V_HDIV, ROWS, STEP, PAGE_TOKENS)
+        v_mults = _page_token_factors(V_MULT, page, h, ts, V_MULT_KIND == 1, H * PAGE_TOKENS, PAGE_TOKENS, 1, 1,
+                                      ROWS, STEP, PAGE_TOKENS)
         # Steps come in groups of SOFTMAX_STEPS: the group's logits first, then one update of the
         # running max (and, rarely, one rescale) for all of them, then their values. One reduction
         # and one branch per group, and the group's products do not wait on each other's softmax.

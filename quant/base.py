@@ -118,9 +118,6 @@ class ChannelMajor(TileCodec):
     def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
         return dataclasses.replace(self.inner.kernel_layout(heads, head_dim, tokens), channel_major=True)
 
-    def unrotate(self, x: Tensor) -> Tensor:
-        return self.inner.unrotate(x)
-
     def __repr__(self) -> str:
         return f"ChannelMajor({self.inner})"
 
