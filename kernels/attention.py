@@ -645,8 +645,11 @@ def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, UNROT, num_splits, M, 
                   RETURN_LSE: tl.constexpr, ROTATED: tl.constexpr, PDL: tl.constexpr):
     """out[bh, m] = sum over the row's written partials of o_s * 2^lse_s / sum 2^lse_s (0 if no
     split saw a token), and optionally the total log-sum-exp in natural log. The partials are the
-    FP16 tiers' TIERS parts and the row's live page splits (_page_split), read CHUNK at a time; each
-    program merges D_BLOCK channels (at batch 1 there are few rows, so channels give the parallelism).
+    FP16 tiers' TIERS parts and the row's live page splits (_page_split), read CHUNK at a time in
+    one pass: a chunk's log-sum-exps and outputs are loaded together (every live partial is
+    written, an empty one as o = 0, lse = -inf), and the running sums are rescaled when a chunk
+    raises the max, so a row of up to CHUNK partials costs one memory latency. Each program merges
+    D_BLOCK channels (at batch 1 there are few rows, so channels give the parallelism).
     ROTATED: the page partials are in the pages' rotated domain; their weighted sum (all D channels)
     is mapped back with UNROT [D, D] here, once per row, instead of once per split in the split kernel."""
     wait_then_release(PDL)
@@ -655,37 +658,39 @@ def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, UNROT, num_splits, M, 
     d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
     _, n_live = _page_split(tl.load(NPAGES + bh // H).to(tl.int32), num_splits, MIN_PAGES, SHORT_PAGES)
     n_read = n_live + TIERS
-    top = tl.full([CHUNK], float("-inf"), tl.float32)
-    for s0 in range(0, n_read, CHUNK):
-        s = s0 + tl.arange(0, CHUNK)
-        part = (bh * (num_splits + TIERS) + s) * M + m
-        top = tl.maximum(top, tl.load(LSE_PART + part, mask=s < n_read, other=float("-inf")))
-    top = tl.max(top, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros([CHUNK], tl.float32)
-    out = tl.zeros([CHUNK, D_BLOCK], tl.float32)
+    top = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    out = tl.zeros([D_BLOCK], tl.float32)
     e = tl.arange(0, D)
-    rotated = tl.zeros([CHUNK, D], tl.float32)
+    rotated = tl.zeros([D], tl.float32)
     for s0 in range(0, n_read, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
+        ok = s < n_read
         part = (bh * (num_splits + TIERS) + s) * M + m
-        lse = tl.load(LSE_PART + part, mask=s < n_read, other=float("-inf"))
-        w = tl.exp2(lse - top)
-        total += w
-        seen = lse > float("-inf")  # an empty partial's output is never read
+        lse = tl.load(LSE_PART + part, mask=ok, other=float("-inf"))
         if ROTATED:
             pages = s >= TIERS
-            out += w[:, None] * tl.load(O_PART + part[:, None] * D + d[None, :], mask=(seen & ~pages)[:, None], other=0.0)
-            rotated += w[:, None] * tl.load(O_PART + part[:, None] * D + e[None, :], mask=(seen & pages)[:, None], other=0.0)
+            o = tl.load(O_PART + part[:, None] * D + d[None, :], mask=(ok & ~pages)[:, None], other=0.0)
+            o_rot = tl.load(O_PART + part[:, None] * D + e[None, :], mask=(ok & pages)[:, None], other=0.0)
         else:
-            out += w[:, None] * tl.load(O_PART + part[:, None] * D + d[None, :], mask=seen[:, None], other=0.0)
-    merged = tl.sum(out, 0)
+            o = tl.load(O_PART + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        new_top = tl.maximum(top, tl.max(lse, 0))
+        ref = tl.where(new_top == float("-inf"), 0.0, new_top)  # avoids -inf - -inf = NaN
+        keep = tl.exp2(top - ref)  # what the sums so far are worth against the new max
+        w = tl.exp2(lse - ref)
+        total = total * keep + tl.sum(w, 0)
+        out = out * keep + tl.sum(w[:, None] * o, 0)
+        if ROTATED:
+            rotated = rotated * keep + tl.sum(w[:, None] * o_rot, 0)
+        top = new_top
+    merged = out
     if ROTATED:  # (sum of page partials) @ UNROT[:, d]
-        merged += tl.sum(tl.sum(rotated, 0)[:, None] * tl.load(UNROT + e[:, None] * D + d[None, :]), 0)
+        merged += tl.sum(rotated[:, None] * tl.load(UNROT + e[:, None] * D + d[None, :]), 0)
     total_sum = tl.sum(total, 0)
     tl.store(OUT + (bh * M + m) * D + d, (merged / tl.maximum(total_sum, 1e-30)).to(OUT.dtype.element_ty))
     if RETURN_LSE and tl.program_id(2) == 0:
-        lse_all = tl.where(total_sum > 0, top + tl.log2(tl.maximum(total_sum, 1e-30)), float("-inf"))
+        top_sum = tl.sum(top, 0)
+        lse_all = tl.where(total_sum > 0, top_sum + tl.log2(tl.maximum(total_sum, 1e-30)), float("-inf"))
         tl.store(LSE_OUT + bh * M + m, lse_all * 0.6931471805599453)  # base 2 -> natural log
 
 
@@ -759,6 +764,7 @@ def _sm_count(device: torch.device) -> int:
 # formats (README, "Decode attention"). With a [D, N] accumulator and a page's codes live a warp
 # needs ~255 registers, so an SM keeps 8 programs resident and queues the rest.
 PROGRAMS_PER_SM = 32
+RESIDENT_PER_SM = 8  # every format's split kernel compiles to 255 registers (scripts/sass.py)
 MIN_PAGES_PER_SPLIT = 2
 # Short rows (up to 4k tokens) split one page per program, and the FP16 recent tier (up to 255
 # tokens) is split over 4 programs, so that no program walks more than ~4 dependent steps: a
@@ -766,6 +772,9 @@ MIN_PAGES_PER_SPLIT = 2
 # at least 2 pages a split, which is faster at 32k (`bench.py kernels --variants` measures both).
 SHORT_ROW_PAGES = 32
 RECENT_PARTS = 4
+# ... unless the (row, kv head) pairs alone fill a wave of resident programs: then one program a
+# row takes the whole recent tier (kitty at batch 296 / 8k: 873 -> 856 us, kivi-k2v2 at batch 310:
+# 781 -> 763; level at batch 64 / 32k; H100, session 18).
 NUM_WARPS = 1
 NUM_WARPS_ROTATED = 2  # a rotated format's [D, D] un-rotation in a one-program launch spills badly in one warp
 # FP16 pages have no codes to unpack. In a launch of few programs (at most FEW_PROGRAMS_PER_SM
@@ -786,8 +795,10 @@ SOFTMAX_STEPS = int(os.environ.get("NANOKV_SOFTMAX_STEPS", "4"))
 # Values unpacked swapped (module docstring), Launch.swap: NANOKV_SWAP=0 turns it off for every launch.
 SWAP = os.environ.get("NANOKV_SWAP", "1") != "0"
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
-# (up to ~128) splits should take one or two rounds, not eight.
-MERGE_CHUNK = 64
+# splits (133 parts at 32k) should take one round. A rotated format also holds the page partials'
+# every channel ([CHUNK, D] fp32), so it reads fewer at a time.
+MERGE_CHUNK = 256
+MERGE_CHUNK_ROTATED = 64
 # Programmatic dependent launch (pdl.py) for the attention's kernels up to this batch: at batch 1
 # the step gained 4-5% with it (Llama-3-8B shape, H100), while at batch 16 kitty's step lost 2-4%
 # with it on the attention and was level with it off (README, "Decode step").
@@ -800,16 +811,35 @@ BLOCK_N_MIN = 4
 
 
 def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: int | None = None,
-                   min_pages: int | None = None) -> int:
+                   min_pages: int | None = None, fill_waves: bool = True) -> int:
     """Page splits per (row, kv head) for rows of up to max_pages pages and `programs` (row, kv head,
-    query block) triples: enough programs to fill the GPU PROGRAMS_PER_SM times, at least
-    MIN_PAGES_PER_SPLIT pages each. Splits divide each row's own pages, so max_pages (e.g. the page
-    table's width under a CUDA graph) only caps the count."""
+    query block) triples: about enough programs to fill the GPU PROGRAMS_PER_SM times, at least
+    MIN_PAGES_PER_SPLIT pages each, and with fill_waves, of the counts near that the one whose
+    waves of resident programs are fullest (_wave_pages). Splits divide each row's own pages, so
+    max_pages (e.g. the page table's width under a CUDA graph) only caps the count."""
     if max_pages == 0:
         return 1
     want = -(-(per_sm or PROGRAMS_PER_SM) * _sm_count(device) // programs)
     least = 1 if max_pages <= SHORT_ROW_PAGES else (min_pages or MIN_PAGES_PER_SPLIT)  # as _page_split
-    return max(1, min(want, -(-max_pages // least)))
+    most = -(-max_pages // least)
+    if not fill_waves:
+        return max(1, min(want, most))
+    near = range(max(1, min(most, -(-3 * want // 4))), min(most, 2 * want) + 1)
+    return min(near, key=lambda s: (_wave_pages(s, max_pages, least, programs, device), abs(s - want)))
+
+
+def _wave_pages(splits: int, pages: int, least: int, programs: int, device: torch.device) -> int:
+    """How long a launch of `splits` splits a row lasts if the resident programs ran in lockstep
+    waves: the waves times a program's length, its pages plus about one page of fixed cost.
+    Aiming at a program count alone can leave the last wave nearly empty (Llama-3-8B shape, batch
+    64 / 32k: 9 splits of 29 pages are 4.4 waves, 8 of 32 are 3.9: kitty 698 -> 652 us,
+    kivi-k2v2 583 -> 546, FP16 2817 -> 2791; batch 296 / 8k, kitty: 2 splits 888, 3 869, 4 873;
+    and FP16 at batch 52 / 8k, 11 splits 589 against 22 splits 602, the fixed cost's case.
+    H100, session 18)."""
+    per = max(-(-pages // splits), least)  # as _page_split
+    live = -(-pages // per)
+    waves = -(-programs * live // (RESIDENT_PER_SM * _sm_count(device)))
+    return waves * (per + 1)
 
 
 def _block_rows(kl: Layout, vl: Layout, step: int) -> int:
@@ -863,11 +893,14 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     n_blocks = triton.cdiv(M, block_n)
     num_splits = launch.num_splits
     if num_splits is None:
+        # NF4 pages keep the plain count: their loop is bound by its lookups' issue, so a partial
+        # last wave runs faster and costs little (nqkv at batch 64 / 32k: 9 splits 1652 us, 8 1700)
         num_splits = default_splits(page_table.shape[1], B * H * n_blocks, q.device, launch.programs_per_sm,
-                                    launch.min_pages)
+                                    launch.min_pages, fill_waves=not (kl.nf4 or vl.nf4))
         num_splits = 0 if num_splits == 1 else num_splits  # one split: no partials, no merge
     one = num_splits == 0
-    tiers = 1 + (launch.recent_parts or RECENT_PARTS)
+    crowded = B * H * n_blocks >= RESIDENT_PER_SM * _sm_count(q.device)
+    tiers = 1 + (launch.recent_parts or (1 if crowded else RECENT_PARTS))
     n_parts = 1 if one else num_splits + tiers
     few_programs = B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)
     whole_pages = kl.bits == vl.bits == 16 and few_programs
@@ -920,8 +953,9 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     )
     if not one:
         d_block = min(D, 32)
-        _merge_kernel[(B * H, M, D // d_block)](o_part, lse_part, out, lse, n_pages, unrot, num_splits, M, H=H, D=D,
-                                  D_BLOCK=d_block, MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, TIERS=tiers,
-                                  CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(n_parts)), RETURN_LSE=return_lse,
-                                  ROTATED=fmt.rotated, **pdl)
+        chunk = min(MERGE_CHUNK_ROTATED if fmt.rotated else MERGE_CHUNK, triton.next_power_of_2(n_parts))
+        _merge_kernel[(B * H, M, D // d_block)](
+            o_part, lse_part, out, lse, n_pages, unrot, num_splits, M, H=H, D=D, D_BLOCK=d_block,
+            MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, TIERS=tiers, CHUNK=chunk, RETURN_LSE=return_lse,
+            ROTATED=fmt.rotated, **pdl)
     return (out, lse) if return_lse else out

@@ -310,20 +310,24 @@ def test_fp16_page_steps_do_not_change_the_result():
         torch.testing.assert_close(got.float(), want.float(), rtol=TOL, atol=TOL)
 
 
-@pytest.mark.parametrize("short_pages", [32, 0])
-@pytest.mark.parametrize("window,lse", [(None, False), (300, True)])
-def test_split_count_does_not_change_the_result(window, lse, short_pages, monkeypatch):
+@pytest.mark.parametrize("name,window,lse,short_pages", [
+    ("kitty", None, False, 32), ("kitty", None, False, 0), ("kitty", 300, True, 32), ("kitty", 300, True, 0),
+    ("kvarn", None, False, 32),  # rotated: the merge also sums the page partials' every channel
+])
+def test_split_count_does_not_change_the_result(name, window, lse, short_pages, monkeypatch):
     """1, 2, 7 and 20 splits, the recent tier split over 3 programs with one-page splits, and a
     single program per row that walks every tier itself and writes
     the result without the merge kernel (num_splits=0), on rows of very different lengths: the
     same output and log-sum-exp. Splits past a row's last page write nothing and the merge must
-    not read them (the partials start as NaN); 20 splits take the merge more than one chunk.
+    not read them (the partials start as NaN); the merge reads 4 partials at a time, so it takes
+    several chunks and rescales its sums when a later chunk raises the max.
     short_pages 0: every row takes the long rows' two-page minimum per split."""
     monkeypatch.setattr(attention, "MERGE_CHUNK", 4)
+    monkeypatch.setattr(attention, "MERGE_CHUNK_ROTATED", 4)
     monkeypatch.setattr(attention, "SHORT_ROW_PAGES", short_pages)
     monkeypatch.setattr(attention, "_scratch", lambda shape, device: torch.full(shape, float("nan"), device=device))
     gen = torch.Generator().manual_seed(7)
-    c = make_cache(get_format("kitty"), 2, 64, *ROWS["long"], gen)
+    c = make_cache(get_format(name), 2, 64, *ROWS["long"], gen)
     q = torch.randn(2, 8, 64, generator=gen).to(DEVICE, DTYPE)
     launches = [attention.Launch(num_splits=s) for s in (1, 2, 7, 20)]
     # the recent tier over 3 programs (chunks past its end are empty), one-page splits
@@ -341,6 +345,22 @@ def test_split_count_does_not_change_the_result(window, lse, short_pages, monkey
     want = call(reference.decode_attention, q, c, 0.125, window=window).float()
     err = ((outs[-1][0].float() - want).abs().max() / want.abs().max()).item()
     assert err < TOL, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("batch,pages,want", [
+    (1, 256, 128),  # 32k: 2 pages a split at least; 8 x 128 programs are one wave
+    (16, 256, 33),  # 33 (32 of them live) of 8 pages: 4096 programs, 4 waves x (8 + 1)
+    (64, 256, 8),   # 9 of 29 pages: 4608 programs, 5 waves x (29 + 1) = 150; 8 of 32: 4096, 4 x 33 = 132
+    (296, 64, 4),   # 2 of 32: 4736, 5 x 33 = 165; 3 of 22: 7 x 23 = 161; 4 of 16: 9472, 9 x 17 = 153
+])
+def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
+    """The split rule on an H100's 132 SMs (8 resident one-warp programs each, 1056 in all) for
+    Llama-3-8B's 8 kv heads: the counts worked out by hand from the lockstep-wave arithmetic
+    (waves x (pages a split + one page of fixed cost)); NF4 formats keep the plain count (9)."""
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    assert attention.default_splits(pages, batch * 8, torch.device("cpu")) == want
+    if batch == 64:
+        assert attention.default_splits(pages, batch * 8, torch.device("cpu"), fill_waves=False) == 9
 
 
 ENCODE_FORMATS = ["fp16", "kivi-k2v2", "kivi-k4v4", "kivi-k2v2:v_group=16", "kitty", "kitty-pro",
