@@ -772,9 +772,11 @@ MIN_PAGES_PER_SPLIT = 2
 # at least 2 pages a split, which is faster at 32k (`bench.py kernels --variants` measures both).
 SHORT_ROW_PAGES = 32
 RECENT_PARTS = 4
-# ... unless the (row, kv head) pairs alone fill a wave of resident programs: then one program a
-# row takes the whole recent tier (kitty at batch 296 / 8k: 873 -> 856 us, kivi-k2v2 at batch 310:
-# 781 -> 763; level at batch 64 / 32k; H100, session 18).
+# ... unless the launch has (row, kv head) pairs for at least half the SMs: then its page programs
+# come in several waves, the tier's chain is not the longest, and one program a row takes the
+# whole tier. Llama-3-8B shape, H100, session 18: batch 16 / 32k kitty 188.7 -> 186.5 us,
+# kitty-pro 216.6 -> 214.0; batch 296 / 8k kitty 873 -> 856; batch 64 / 32k level; at batch 1 /
+# 32k one program was 5-18% slower. (Between batch 1 and 16 the threshold is not measured.)
 NUM_WARPS = 1
 NUM_WARPS_ROTATED = 2  # a rotated format's [D, D] un-rotation in a one-program launch spills badly in one warp
 # FP16 pages have no codes to unpack. In a launch of few programs (at most FEW_PROGRAMS_PER_SM
@@ -899,7 +901,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
                                     launch.min_pages, fill_waves=not (kl.nf4 or vl.nf4))
         num_splits = 0 if num_splits == 1 else num_splits  # one split: no partials, no merge
     one = num_splits == 0
-    crowded = B * H * n_blocks >= RESIDENT_PER_SM * _sm_count(q.device)
+    crowded = 2 * B * H * n_blocks >= _sm_count(q.device)
     tiers = 1 + (launch.recent_parts or (1 if crowded else RECENT_PARTS))
     n_parts = 1 if one else num_splits + tiers
     few_programs = B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)
