@@ -894,14 +894,17 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         raise ValueError(f"block_n must be a power of 2 >= 4, got {block_n}")
     n_blocks = triton.cdiv(M, block_n)
     num_splits = launch.num_splits
+    # NF4 pages keep the plain launch (split count and four recent-tier programs): their loop is
+    # bound by its lookups' issue, and neither rule below paid for them (nqkv at batch 64 / 32k:
+    # 8 splits 1700 us against 9 splits 1652; one recent-tier program: batch 64 / 4k 239 -> 266,
+    # batch 16 / 32k 445 -> 518; H100, session 18)
+    plain = kl.nf4 or vl.nf4
     if num_splits is None:
-        # NF4 pages keep the plain count: their loop is bound by its lookups' issue, so a partial
-        # last wave runs faster and costs little (nqkv at batch 64 / 32k: 9 splits 1652 us, 8 1700)
         num_splits = default_splits(page_table.shape[1], B * H * n_blocks, q.device, launch.programs_per_sm,
-                                    launch.min_pages, fill_waves=not (kl.nf4 or vl.nf4))
+                                    launch.min_pages, fill_waves=not plain)
         num_splits = 0 if num_splits == 1 else num_splits  # one split: no partials, no merge
     one = num_splits == 0
-    crowded = 2 * B * H * n_blocks >= _sm_count(q.device)
+    crowded = 2 * B * H * n_blocks >= _sm_count(q.device) and not plain
     tiers = 1 + (launch.recent_parts or (1 if crowded else RECENT_PARTS))
     n_parts = 1 if one else num_splits + tiers
     few_programs = B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)
