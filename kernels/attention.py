@@ -821,16 +821,25 @@ def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: 
     max_pages (e.g. the page table's width under a CUDA graph) only caps the count."""
     if max_pages == 0:
         return 1
-    want = -(-(per_sm or PROGRAMS_PER_SM) * _sm_count(device) // programs)
+    sms = _sm_count(device)
     least = 1 if max_pages <= SHORT_ROW_PAGES else (min_pages or MIN_PAGES_PER_SPLIT)  # as _page_split
+    return _split_count(max_pages, programs, -(-(per_sm or PROGRAMS_PER_SM) * sms // programs), least,
+                        RESIDENT_PER_SM * sms if fill_waves else 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_count(max_pages: int, programs: int, want: int, least: int, resident: int) -> int:
+    """default_splits for `want` splits aimed at and `resident` programs at once (0: no wave
+    search), cached: the search tries up to ~130 counts, and an eager launch (no CUDA graph)
+    asks once a layer and step (60 us a call at batch 1 with a 1024-page table)."""
     most = -(-max_pages // least)
-    if not fill_waves:
+    if not resident:
         return max(1, min(want, most))
     near = range(max(1, min(most, -(-3 * want // 4))), min(most, 2 * want) + 1)
-    return min(near, key=lambda s: (_wave_pages(s, max_pages, least, programs, device), abs(s - want)))
+    return min(near, key=lambda s: (_wave_pages(s, max_pages, least, programs, resident), abs(s - want)))
 
 
-def _wave_pages(splits: int, pages: int, least: int, programs: int, device: torch.device) -> int:
+def _wave_pages(splits: int, pages: int, least: int, programs: int, resident: int) -> int:
     """How long a launch of `splits` splits a row lasts if the resident programs ran in lockstep
     waves: the waves times a program's length, its pages plus about one page of fixed cost.
     Aiming at a program count alone can leave the last wave nearly empty (Llama-3-8B shape, batch
@@ -840,7 +849,7 @@ def _wave_pages(splits: int, pages: int, least: int, programs: int, device: torc
     H100, session 18)."""
     per = max(-(-pages // splits), least)  # as _page_split
     live = -(-pages // per)
-    waves = -(-programs * live // (RESIDENT_PER_SM * _sm_count(device)))
+    waves = -(-programs * live // resident)
     return waves * (per + 1)
 
 
