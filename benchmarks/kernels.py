@@ -77,11 +77,12 @@ def attention_inputs(kv: str, batch: int, context: int, q_heads: int = 32, kv_he
 # Kernel variants timed side by side: "auto" (the default launch rule) or a compact launch spec,
 # dash-separated fields of attention.Launch: w<num_warps> s<step> p<num_stages> n<block_n>
 # k<num_splits> m<programs_per_sm> g<min_pages per split> t<recent_parts> r<maxnreg>
-# u<softmax_steps: steps per softmax update>, and "noasm" (Triton's integer ops instead of the PTX
+# u<softmax_steps: steps per softmax update> l<page_stages: the page loop's own num_stages, 1 = not
+# pipelined>, and "noasm" (Triton's integer ops instead of the PTX
 # unpack), e.g. "w2-s32-p3" or "n8-u1". Every variant is launched without programmatic dependent
 # launch (kernels/pdl.py), so that a timed call never overlaps the one before it in the ring.
 _FIELDS = {"w": "num_warps", "s": "step", "p": "num_stages", "n": "block_n", "k": "num_splits", "m": "programs_per_sm",
-           "g": "min_pages", "t": "recent_parts", "r": "maxnreg", "u": "softmax_steps"}
+           "g": "min_pages", "t": "recent_parts", "r": "maxnreg", "u": "softmax_steps", "l": "page_stages"}
 
 
 def variant(spec: str) -> attention.Launch:

@@ -337,7 +337,8 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
            V_BITS: tl.constexpr, V_ROWS: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_S_PAGE: tl.constexpr,
            V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
            V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, SOFTMAX_STEPS: tl.constexpr,
-           V_SWAP: tl.constexpr, K_CHANNEL_MAJOR: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr):
+           V_SWAP: tl.constexpr, K_CHANNEL_MAJOR: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr,
+           PAGE_STAGES: tl.constexpr):
     """Attention of the query rows q [N, D] over the quantized pages [p0, p1) of a row: the running
     max m [N] (it may lag behind the true max, see LAZY_MAX), the sum l [N] of the weights, the
     unnormalized output acc [D, N] (transposed), and corr [N]: what acc still holds of the value
@@ -363,7 +364,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
     SLOTS: tl.constexpr = PAGE_TOKENS // ROWS  # steps per block of rows
     STEPS: tl.constexpr = PAGE_TOKENS // STEP  # steps per page
     page_next = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0).to(tl.int64)
-    for p in tl.range(p0, p1):
+    for p in tl.range(p0, p1, num_stages=PAGE_STAGES):
         page = page_next  # the next page's id is read a page ahead: its codes' addresses are ready at once
         page_next = tl.load(PT + slot * s_pt_b + (p + 1) * s_pt_p, mask=p + 1 < p1, other=0).to(tl.int64)
         # ---- keys: fold the channel factors into q once per page --------------------------------
@@ -392,7 +393,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
             hi_plane = K_HIGH + page * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH)
             hi_raw = rs
             if K_ROWS == STEP:
-                hi_raw = _rows(hi_plane, ts, r, r_ok, K_N_HIGH, True, 0)
+                hi_raw = _rows(hi_plane, ts, r, r_ok, K_N_HIGH, K_N_HIGH < NB_PAD, 0)
         # ---- values: per-channel factors of the page --------------------------------------------
         if V_MULT_KIND == 2:
             v_chan = _channel_factor(V_MULT, page, h, d, H * D, D)
@@ -436,7 +437,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
                 if (K_ROWS != STEP) and (K_ROWS == ROWS) and (i % SLOTS == 0):  # a new block of rows
                     k_raw = _rows(k_plane, t, d, d, D, False, K_CM)
                     if K_N_HIGH > 0:
-                        hi_raw = _rows(hi_plane, t, r, r_ok, K_N_HIGH, True, 0)
+                        hi_raw = _rows(hi_plane, t, r, r_ok, K_N_HIGH, K_N_HIGH < NB_PAD, 0)
                 k = _tile(k_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, K_BITS, K_ROWS,
                           K_NF4, ASM, k_raw, (K_ROWS == STEP) or (K_ROWS == ROWS), False, K_CM)
                 k_off = _tile_offset(K_BITS, K_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), K_NF4)
@@ -557,7 +558,7 @@ def _split_kernel(
     V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, V_N_HIGH: tl.constexpr,
     V_CHANNEL_MAJOR: tl.constexpr,
-    PDL: tl.constexpr, SOFTMAX_STEPS: tl.constexpr, V_SWAP: tl.constexpr,
+    PDL: tl.constexpr, SOFTMAX_STEPS: tl.constexpr, V_SWAP: tl.constexpr, PAGE_STAGES: tl.constexpr,
 ):
     wait_then_release(PDL)  # every program, the empty splits too (pdl.py)
     bh = tl.program_id(0)
@@ -602,7 +603,8 @@ def _split_kernel(
             V_MULT, dt, H, D, BLOCK_N, PAGE_TOKENS, STEP, BLOCK_ROWS, NB_PAD, HAS_WINDOW, ASM,
             K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO, K_MULT_KIND,
             K_NF4, K_N_HIGH, V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
-            V_HAS_ZERO, V_MULT_KIND, V_NF4, SOFTMAX_STEPS, V_SWAP, K_CHANNEL_MAJOR, V_CHANNEL_MAJOR)
+            V_HAS_ZERO, V_MULT_KIND, V_NF4, SOFTMAX_STEPS, V_SWAP, K_CHANNEL_MAJOR, V_CHANNEL_MAJOR,
+            PAGE_STAGES)
         acc -= corr[None, :]
         if ROTATED and ONE_PROGRAM:  # back from the rotated domain: o @ U, here U^T @ o^T (linear, so before
             # normalizing); with splits the merge does it once per row, on the sum of the page partials
@@ -712,7 +714,8 @@ class Launch:
     unpack codes with PTX (default whenever compiled). softmax_steps: steps whose logits are all
     computed before one update of the running max (a power of 2, capped at a page's steps;
     default SOFTMAX_STEPS). swap: unpack the values' codes swapped where _swappable allows
-    (default SWAP)."""
+    (default SWAP). page_stages: Triton num_stages of the page loop alone, 1 = not pipelined
+    (default _page_stages)."""
 
     num_splits: int | None = None
     programs_per_sm: int | None = None
@@ -727,6 +730,7 @@ class Launch:
     pdl: bool | None = None
     softmax_steps: int | None = None
     swap: bool | None = None
+    page_stages: int | None = None
 
 
 def _scratch(shape: tuple[int, ...], device: torch.device) -> Tensor:
@@ -760,8 +764,8 @@ def _sm_count(device: torch.device) -> int:
 
 # Programs per SM the split rule aims at: each program walks its pages one after the other, so
 # the number in flight is what hides memory latency. One warp per program (two for KVarN), no
-# software pipelining: the fastest launch of a sweep of warps and stages for the 2-bit and 4-bit
-# formats (README, "Decode attention"). With a [D, N] accumulator and a page's codes live a warp
+# software pipelining of the whole kernel: the fastest launch of a sweep of warps and stages for the
+# 2-bit and 4-bit formats (README, "Decode attention"; the page loop alone is, PIPELINE_STAGES). With a [D, N] accumulator and a page's codes live a warp
 # needs ~255 registers, so an SM keeps 8 programs resident and queues the rest.
 PROGRAMS_PER_SM = 32
 RESIDENT_PER_SM = 8  # every format's split kernel compiles to 255 registers (scripts/sass.py)
@@ -796,6 +800,16 @@ NUM_STAGES = 1
 SOFTMAX_STEPS = int(os.environ.get("NANOKV_SOFTMAX_STEPS", "4"))
 # Values unpacked swapped (module docstring), Launch.swap: NANOKV_SWAP=0 turns it off for every launch.
 SWAP = os.environ.get("NANOKV_SWAP", "1") != "0"
+# Software pipelining of the page loop alone (Triton's num_stages on that loop, not on the FP16 tiers'
+# loops, where it was 2.5x slower): the next page's code planes, channel scales and boosted plane are
+# copied into shared memory (cp.async) while this page computes. It pays where every packed plane is
+# one step's rows (the 2-bit RTN formats: kitty, kitty-pro, kivi-k2v2, kvarn; the 4-bit planes, read a
+# block of rows at a time, and NF4 were 2-16% slower) and a split walks enough pages to overlap them
+# (at 2 pages a split kitty was 1.5-3% slower). Llama-3-8B shape, H100, session 19, us at 32k:
+# batch 16 kitty 185 -> 173, kitty-pro 213 -> 186, kivi-k2v2 155 -> 150, kvarn 225 -> 219; batch 64
+# kitty 652 -> 616, kitty-pro 754 -> 650. Launch.page_stages overrides it.
+PIPELINE_STAGES = 2
+PIPELINE_MIN_PAGES = 3
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
 # splits (133 parts at 32k) should take one round. A rotated format also holds the page partials'
 # every channel ([CHUNK, D] fp32), so it reads fewer at a time.
@@ -877,6 +891,18 @@ def _step(kl: Layout, vl: Layout) -> int:
     return min([32] + rows)
 
 
+def _pages_per_split(max_pages: int, num_splits: int, min_pages: int | None) -> int:
+    """The most pages a split walks in rows of up to max_pages pages (as _page_split; 0 splits: one program)."""
+    least = 1 if max_pages <= SHORT_ROW_PAGES else (min_pages or MIN_PAGES_PER_SPLIT)
+    return max(-(-max_pages // max(num_splits, 1)), least)
+
+
+def _page_stages(kl: Layout, vl: Layout, step: int, pages_per_split: int) -> int:
+    """Triton num_stages for the page loop (PIPELINE_STAGES where it pays, else 1: not pipelined)."""
+    whole_planes = all(lay.bits != 16 and not lay.nf4 and lay.rows == step for lay in (kl, vl))
+    return PIPELINE_STAGES if whole_planes and pages_per_split >= PIPELINE_MIN_PAGES else 1
+
+
 def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int | None = None,
                      return_lse: bool = False, out: Tensor | None = None,
                      launch: Launch = Launch()) -> Tensor | tuple[Tensor, Tensor]:
@@ -930,6 +956,8 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     if softmax_steps & (softmax_steps - 1) or softmax_steps < 1:
         raise ValueError(f"softmax_steps must be a power of 2 >= 1, got {softmax_steps}")
     swap = SWAP if launch.swap is None else launch.swap
+    stages = launch.page_stages or _page_stages(kl, vl, step, _pages_per_split(page_table.shape[1], num_splits,
+                                                                             launch.min_pages))
     qp = torch.matmul(q4.float(), _as_matrix(fmt.rotate, D, q.device)).to(q.dtype) if fmt.k.rotated else q4
     unrot = _as_matrix(fmt.unrotate, D, q.device) if fmt.rotated else q4
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
@@ -958,12 +986,14 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         s_rec_b=recent_k.stride(0), s_rec_h=recent_k.stride(1), s_rec_t=recent_k.stride(2),
         H=H, D=D, BLOCK_N=block_n, PAGE_TOKENS=PAGE_TOKENS, STEP=step, BLOCK_ROWS=_block_rows(kl, vl, step),
         MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, DENSE_STEP=32, TIERS=tiers,
-        ROTATED=fmt.rotated, NB_PAD=max(16, triton.next_power_of_2(kl.n_high)),
+        # Kitty's boosted plane, padded to whole MMA steps: rows of 32 bytes at least when pipelined, since Triton
+        # copies 16-byte rows through registers instead (kitty batch 16 / 32k: 193 us with 16, 173 with 32)
+        ROTATED=fmt.rotated, NB_PAD=max(32 if stages > 1 else 16, triton.next_power_of_2(kl.n_high)),
         HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None, ASM=not INTERPRETED if asm is None else asm,
         ONE_PROGRAM=one, RETURN_LSE=return_lse,
         **kl.constexprs("K_"), **vl.constexprs("V_"),
         SOFTMAX_STEPS=min(softmax_steps, PAGE_TOKENS // step), **options, **pdl,
-        V_SWAP=swap and _swappable(vl, step, D),
+        V_SWAP=swap and _swappable(vl, step, D), PAGE_STAGES=stages,
     )
     if not one:
         d_block = min(D, 32)

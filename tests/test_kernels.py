@@ -138,6 +138,11 @@ CASES = [
     ("kitty", 64, 4, 1, "long", 2, 3, "window=200,softmax_steps=1"),
     ("kvarn-k4v2", 64, 4, 2, "long", 2, None, "softmax_steps=2"),
     ("kvmix:3v3", 64, 4, 1, "mixed", 2, 3, "softmax_steps=8"),
+    # the page loop software-pipelined (three pages for the first split of the long row's six; one
+    # program over all five of a row), Kitty's boosted plane then padded to 32 columns
+    ("kitty", 128, 4, 1, "long", 2, 2, "page_stages=2"),
+    ("kivi-k2v2", 64, 4, 2, "mixed", 2, None, "window=150,page_stages=2"),
+    ("kvarn", 64, 4, 1, "long", 2, 2, "lse,page_stages=2"),
 ]
 
 
@@ -189,7 +194,8 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
     # a single query: into a given (poisoned) buffer; a block: the kernel allocates the result itself
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE) if queries == 1 else None
     softmax_steps = int(opts["softmax_steps"]) if "softmax_steps" in opts else None  # None: the default
-    launch = attention.Launch(num_splits=splits, softmax_steps=softmax_steps)
+    page_stages = int(opts["page_stages"]) if "page_stages" in opts else None
+    launch = attention.Launch(num_splits=splits, softmax_steps=softmax_steps, page_stages=page_stages)
     got = call(attention.decode_attention, q, c, head_dim**-0.5, out=out, launch=launch, **kw)
     if kw["return_lse"]:
         (got, lse), (want, want_lse) = got, want
@@ -361,6 +367,27 @@ def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
     assert attention.default_splits(pages, batch * 8, torch.device("cpu")) == want
     if batch == 64:
         assert attention.default_splits(pages, batch * 8, torch.device("cpu"), fill_waves=False) == 9
+
+
+@pytest.mark.parametrize("name,batch,pages,want", [
+    ("kitty", 16, 256, 2),      # 33 splits of 8 pages
+    ("kitty-pro", 296, 64, 2),  # 4 splits of 16
+    ("kvarn", 64, 256, 2),      # 8 splits of 32
+    ("kivi-k2v2", 16, 256, 2),
+    ("kitty", 1, 256, 1),       # 128 splits of 2 pages: too few to overlap
+    ("kitty", 16, 32, 1),       # a short row: one page a split
+    ("kivi-k4v4", 16, 256, 1),  # 4-bit planes are read a block of rows at a time
+    ("nqkv", 16, 256, 1),
+    ("fp16", 16, 256, 1),
+])
+def test_page_loop_pipelined_where_it_pays(name, batch, pages, want, monkeypatch):
+    """The pipelining rule on an H100 (132 SMs, the split counts of the test above) for Llama-3-8B's
+    shape: 2-bit RTN planes of one step's rows, and at least PIPELINE_MIN_PAGES pages a split."""
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    kl, vl = attention._layouts(get_format(name), 8, 128)
+    splits = attention.default_splits(pages, batch * 8, torch.device("cpu"))
+    step = attention._step(kl, vl)
+    assert attention._page_stages(kl, vl, step, attention._pages_per_split(pages, splits, None)) == want
 
 
 ENCODE_FORMATS = ["fp16", "kivi-k2v2", "kivi-k4v4", "kivi-k2v2:v_group=16", "kitty", "kitty-pro",
