@@ -50,6 +50,11 @@ Channel factors fold into q (keys) or into the step's output (values); token fac
 logits (keys) or the softmax weights (values). Kitty's boosted channels add one more small
 product per step: their high-bit plane against q gathered at the boosted ids (x 4 x scale).
 
+Pipelining: where every packed plane is one step's rows (the 2-bit RTN formats) and a split walks
+at least PIPELINE_MIN_PAGES pages, the page loop alone runs with Triton's num_stages=2, which copies
+the next page's code planes, channel scales and boosted plane into shared memory (cp.async) while
+this page computes (_page_stages). The FP16 tiers' loops are never pipelined.
+
 The cache's extras: `slots` (batch row b reads slot slots[b] of the page table and the dense
 buffers), a sliding `window` (tokens older than a query's window are masked, whole pages of
 them skipped) and `return_lse` (also each query's log-sum-exp). Rotated formats (KVarN): the
@@ -765,7 +770,8 @@ def _sm_count(device: torch.device) -> int:
 # Programs per SM the split rule aims at: each program walks its pages one after the other, so
 # the number in flight is what hides memory latency. One warp per program (two for KVarN), no
 # software pipelining of the whole kernel: the fastest launch of a sweep of warps and stages for the
-# 2-bit and 4-bit formats (README, "Decode attention"; the page loop alone is, PIPELINE_STAGES). With a [D, N] accumulator and a page's codes live a warp
+# 2-bit and 4-bit formats (docs/benchmarks.md, sessions 6 and 15; the page loop alone is pipelined
+# where that pays, PIPELINE_STAGES). With a [D, N] accumulator and a page's codes live a warp
 # needs ~255 registers, so an SM keeps 8 programs resident and queues the rest.
 PROGRAMS_PER_SM = 32
 RESIDENT_PER_SM = 8  # every format's split kernel compiles to 255 registers (scripts/sass.py)
@@ -817,7 +823,7 @@ MERGE_CHUNK = 256
 MERGE_CHUNK_ROTATED = 64
 # Programmatic dependent launch (pdl.py) for the attention's kernels up to this batch: at batch 1
 # the step gained 4-5% with it (Llama-3-8B shape, H100), while at batch 16 kitty's step lost 2-4%
-# with it on the attention and was level with it off (README, "Decode step").
+# with it on the attention and was level with it off (docs/benchmarks.md, session 11).
 PDL_MAX_BATCH = 4
 # Query rows per program at least 4: Llama-3's 4 query heads a kv head then fill the accumulator
 # and probability tiles, where 8 kept half of them (registers and softmax work) for padding rows;
