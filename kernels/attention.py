@@ -811,9 +811,9 @@ SWAP = os.environ.get("NANOKV_SWAP", "1") != "0"
 # copied into shared memory (cp.async) while this page computes. It pays where every packed plane is
 # one step's rows (the 2-bit RTN formats: kitty, kitty-pro, kivi-k2v2, kvarn; the 4-bit planes, read a
 # block of rows at a time, and NF4 were 2-16% slower) and a split walks enough pages to overlap them
-# (at 2 pages a split kitty was 1.5-3% slower). Llama-3-8B shape, H100, session 19, us at 32k:
-# batch 16 kitty 185 -> 173, kitty-pro 213 -> 186, kivi-k2v2 155 -> 150, kvarn 225 -> 219; batch 64
-# kitty 652 -> 616, kitty-pro 754 -> 650. Launch.page_stages overrides it.
+# (at 2 pages a split kitty was 1.5-3% slower). Llama-3-8B shape, H100, session 19, us at 32k in one
+# process: batch 16 kitty 185.1 -> 173.8, kitty-pro 213.1 -> 183.4, kivi-k2v2 155.7 -> 148.4, kvarn
+# 227.8 -> 219.7; batch 64 kitty 655.6 -> 625.4, kitty-pro 756.0 -> 654.2. Launch.page_stages overrides it.
 PIPELINE_STAGES = 2
 PIPELINE_MIN_PAGES = 3
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
