@@ -842,9 +842,18 @@ def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: 
     if max_pages == 0:
         return 1
     sms = _sm_count(device)
-    least = 1 if max_pages <= SHORT_ROW_PAGES else (min_pages or MIN_PAGES_PER_SPLIT)  # as _page_split
-    return _split_count(max_pages, programs, -(-(per_sm or PROGRAMS_PER_SM) * sms // programs), least,
-                        RESIDENT_PER_SM * sms if fill_waves else 0)
+    return _split_count(max_pages, programs, -(-(per_sm or PROGRAMS_PER_SM) * sms // programs),
+                        _least_pages(max_pages, min_pages), RESIDENT_PER_SM * sms if fill_waves else 0)
+
+
+def _least_pages(max_pages: int, min_pages: int | None) -> int:
+    """Fewest pages a split takes in rows of up to max_pages pages (as _page_split)."""
+    return 1 if max_pages <= SHORT_ROW_PAGES else (min_pages or MIN_PAGES_PER_SPLIT)
+
+
+def _split_pages(pages: int, splits: int, least: int) -> int:
+    """Pages each split of a row of `pages` pages walks (as _page_split; 0 splits: one program, all of them)."""
+    return max(-(-pages // max(splits, 1)), least)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -867,7 +876,7 @@ def _wave_pages(splits: int, pages: int, least: int, programs: int, resident: in
     kivi-k2v2 583 -> 546, FP16 2817 -> 2791; batch 296 / 8k, kitty: 2 splits 888, 3 869, 4 873;
     and FP16 at batch 52 / 8k, 11 splits 589 against 22 splits 602, the fixed cost's case.
     H100, session 18)."""
-    per = max(-(-pages // splits), least)  # as _page_split
+    per = _split_pages(pages, splits, least)
     live = -(-pages // per)
     waves = -(-programs * live // resident)
     return waves * (per + 1)
@@ -895,12 +904,6 @@ def _step(kl: Layout, vl: Layout) -> int:
     if any(r & (r - 1) for r in rows):
         return 16
     return min([32] + rows)
-
-
-def _pages_per_split(max_pages: int, num_splits: int, min_pages: int | None) -> int:
-    """The most pages a split walks in rows of up to max_pages pages (as _page_split; 0 splits: one program)."""
-    least = 1 if max_pages <= SHORT_ROW_PAGES else (min_pages or MIN_PAGES_PER_SPLIT)
-    return max(-(-max_pages // max(num_splits, 1)), least)
 
 
 def _page_stages(kl: Layout, vl: Layout, step: int, pages_per_split: int) -> int:
@@ -962,8 +965,9 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     if softmax_steps & (softmax_steps - 1) or softmax_steps < 1:
         raise ValueError(f"softmax_steps must be a power of 2 >= 1, got {softmax_steps}")
     swap = SWAP if launch.swap is None else launch.swap
-    stages = launch.page_stages or _page_stages(kl, vl, step, _pages_per_split(page_table.shape[1], num_splits,
-                                                                             launch.min_pages))
+    max_pages = page_table.shape[1]  # the longest row the table holds: what the split count was sized for
+    stages = launch.page_stages or _page_stages(
+        kl, vl, step, _split_pages(max_pages, num_splits, _least_pages(max_pages, launch.min_pages)))
     qp = torch.matmul(q4.float(), _as_matrix(fmt.rotate, D, q.device)).to(q.dtype) if fmt.k.rotated else q4
     unrot = _as_matrix(fmt.unrotate, D, q.device) if fmt.rotated else q4
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT

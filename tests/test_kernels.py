@@ -387,7 +387,8 @@ def test_page_loop_pipelined_where_it_pays(name, batch, pages, want, monkeypatch
     kl, vl = attention._layouts(get_format(name), 8, 128)
     splits = attention.default_splits(pages, batch * 8, torch.device("cpu"))
     step = attention._step(kl, vl)
-    assert attention._page_stages(kl, vl, step, attention._pages_per_split(pages, splits, None)) == want
+    per = attention._split_pages(pages, splits, attention._least_pages(pages, None))
+    assert attention._page_stages(kl, vl, step, per) == want
 
 
 ENCODE_FORMATS = ["fp16", "kivi-k2v2", "kivi-k4v4", "kivi-k2v2:v_group=16", "kitty", "kitty-pro",
