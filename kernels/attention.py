@@ -57,8 +57,9 @@ this page computes (_page_stages). The FP16 tiers' loops are never pipelined.
 
 The cache's extras: `slots` (batch row b reads slot slots[b] of the page table and the dense
 buffers), a sliding `window` (tokens older than a query's window are masked, whole pages of
-them skipped) and `return_lse` (also each query's log-sum-exp). Rotated formats (KVarN): the
-pages see fmt.rotate(q) and their partial output is rotated back before the merge.
+them skipped) and `return_lse` (also each query's log-sum-exp). Rotated formats (KVarN, kitty-qh's
+values): the pages see q @ Hd and their partial output is rotated back before the merge, both by
+the fast transform's butterflies in registers (_hadamard), so neither takes a kernel of its own.
 The torch oracle with the same signature is kernels/reference.py.
 """
 
@@ -235,6 +236,29 @@ def _step_row(tile, i: tl.constexpr):
 
 
 @triton.jit
+def _hadamard(x, LOG2_C: tl.constexpr, KEEP_LAYOUT: tl.constexpr):
+    """x [R, C] @ Hd along its last axis (C = 2^LOG2_C; quant/hadamard.py), in registers: the
+    butterflies of quant's fwht, element i paired with i ^ h (h = 1, 2, 4, ...) as (a + b, a - b).
+    A few hundred instructions a program, where a [D, D] matrix would not fit one warp's registers.
+    Two ways to pair them, each the faster one where it is used (H100, session 20): KEEP_LAYOUT
+    gathers every stage's partners in x's own layout, so the rotated q keeps the layout of its
+    load through the page loop (KVarN batch 16 / 32k: 199 us, 214 with q split and joined);
+    otherwise the pairs are split off a reshaped tile and joined back, which suits the output
+    taken from the MMA's accumulator (kitty-qh batch 16 / 32k: 182 us, 193 gathered)."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    c = tl.arange(0, C)[None, :]
+    for s in tl.static_range(LOG2_C):
+        if KEEP_LAYOUT:
+            partner = tl.gather(x, tl.broadcast_to(c ^ (1 << s), [R, C]), 1)
+            x = tl.where((c & (1 << s)) == 0, x + partner, partner - x)
+        else:
+            a, b = tl.split(tl.permute(tl.reshape(x, [R, C // (2 << s), 2, 1 << s]), [0, 1, 3, 2]))
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [R, C])
+    return x * (1.0 / tl.sqrt(C * 1.0))
+
+
+@triton.jit
 def _channel_factor(PTR, page, h, d, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr):
     """Float32 [D]: a per-channel factor of kv head h (scale, zero or KVarN's value multiplier)."""
     return tl.load(PTR + page * S_PAGE + h * S_HEAD + d).to(tl.float32)
@@ -331,7 +355,7 @@ def _dense_tier(q, m_i, l_i, acc, k_base, v_base, s_t, n, first, q_pos, window, 
 
 
 @triton.jit
-def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d, q_pos, window,
+def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d, q_pos, window,
            pos0, qk_scale, LEVELS,
            K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, V_CODES, V_SCALE, V_ZERO, V_MULT,
            dt: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TOKENS: tl.constexpr,
@@ -391,7 +415,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, row_base, n_rows, n_ok, h, d
             # Kitty: a boosted channel's code is low + 4 * high, so q.k gains sum_r (4 q[id_r] scale[id_r]) high_r
             ids = tl.load(K_IDS + page * (H * K_N_HIGH) + h * K_N_HIGH + r, mask=r_ok, other=0).to(tl.int32)
             s_hi = tl.load(K_SCALE + page * K_S_PAGE + h * K_S_HEAD + ids, mask=r_ok, other=0.0).to(tl.float32)
-            q_hi = tl.load(QP + (row_base + n_rows)[:, None] * D + ids[None, :], mask=n_ok[:, None] & r_ok[None, :],
+            q_hi = tl.load(Q + (row_base + n_rows)[:, None] * D + ids[None, :], mask=n_ok[:, None] & r_ok[None, :],
                            other=0.0).to(tl.float32)
             q_hi = (q_hi * (4.0 * qk_scale) * s_hi[None, :]).to(dt)
             q_hi_sum = tl.sum(q_hi.to(tl.float32), 1)
@@ -547,22 +571,22 @@ def _page_split(n_pg, num_splits, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.const
 
 @triton.jit
 def _split_kernel(
-    Q, QP, UNROT, LEVELS, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V, NREC, O_PART, LSE_PART, OUT, LSE_OUT,
+    Q, LEVELS, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V, NREC, O_PART, LSE_PART, OUT, LSE_OUT,
     K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS,
     V_CODES, V_SCALE, V_ZERO, V_MULT, V_HIGH, V_IDS,
     qk_scale, num_splits, M, n_queries, q_pos_offset, window, s_pt_b, s_pt_p,
     s_sink_b, s_sink_h, s_sink_t, s_rec_b, s_rec_h, s_rec_t,
     H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TOKENS: tl.constexpr, STEP: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, DENSE_STEP: tl.constexpr, TIERS: tl.constexpr, ROTATED: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, DENSE_STEP: tl.constexpr, TIERS: tl.constexpr, LOG2_D: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, ASM: tl.constexpr, ONE_PROGRAM: tl.constexpr, RETURN_LSE: tl.constexpr,
     K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
     K_S_HEAD: tl.constexpr, K_S_TOK: tl.constexpr, K_HDIV: tl.constexpr, K_GROUP: tl.constexpr,
     K_HAS_ZERO: tl.constexpr, K_MULT_KIND: tl.constexpr, K_NF4: tl.constexpr, K_N_HIGH: tl.constexpr,
-    K_CHANNEL_MAJOR: tl.constexpr,
+    K_CHANNEL_MAJOR: tl.constexpr, K_ROTATE: tl.constexpr,
     V_BITS: tl.constexpr, V_ROWS: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_S_PAGE: tl.constexpr,
     V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, V_N_HIGH: tl.constexpr,
-    V_CHANNEL_MAJOR: tl.constexpr,
+    V_CHANNEL_MAJOR: tl.constexpr, V_ROTATE: tl.constexpr,
     PDL: tl.constexpr, SOFTMAX_STEPS: tl.constexpr, V_SWAP: tl.constexpr, PAGE_STAGES: tl.constexpr,
 ):
     wait_then_release(PDL)  # every program, the empty splits too (pdl.py)
@@ -592,7 +616,10 @@ def _split_kernel(
     per, n_live = _page_split(n_pg, num_splits, MIN_PAGES, SHORT_PAGES)
     if ONE_PROGRAM or ((split >= 0) and (split < n_live)):
         # quantized pages [p0, p1) of this row, q in the pages' (maybe rotated) domain
-        q = tl.load(QP + q_off, mask=n_ok[:, None], other=0.0)  # kept in dt: fewer live registers
+        q = tl.load(Q + q_off, mask=n_ok[:, None], other=0.0)  # kept in dt: fewer live registers
+        if K_ROTATE:  # rounded to dt after the rotation, as fmt.rotate does
+            tl.static_assert(K_N_HIGH == 0, "boosted channels are gathered from the un-rotated q")
+            q = _hadamard(q.to(tl.float32), LOG2_D, True).to(dt)
         if ONE_PROGRAM:
             p0 = 0
             p1 = n_pg
@@ -603,7 +630,7 @@ def _split_kernel(
             lo = tl.min(tl.where(n_ok, q_pos, 2**30), 0) - window - n_sink - (PAGE_TOKENS - 2)
             p0 = tl.maximum(p0, tl.where(lo > 0, (lo + PAGE_TOKENS - 1) // PAGE_TOKENS, 0))
         m_i, l_i, acc, corr = _pages(
-            q, p0, p1, PT, slot, s_pt_b, s_pt_p, QP, bh * M, n_rows, n_ok, h, d, q_pos, window,
+            q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, bh * M, n_rows, n_ok, h, d, q_pos, window,
             n_sink, qk_scale, LEVELS, K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, V_CODES, V_SCALE, V_ZERO,
             V_MULT, dt, H, D, BLOCK_N, PAGE_TOKENS, STEP, BLOCK_ROWS, NB_PAD, HAS_WINDOW, ASM,
             K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO, K_MULT_KIND,
@@ -611,9 +638,8 @@ def _split_kernel(
             V_HAS_ZERO, V_MULT_KIND, V_NF4, SOFTMAX_STEPS, V_SWAP, K_CHANNEL_MAJOR, V_CHANNEL_MAJOR,
             PAGE_STAGES)
         acc -= corr[None, :]
-        if ROTATED and ONE_PROGRAM:  # back from the rotated domain: o @ U, here U^T @ o^T (linear, so before
-            # normalizing); with splits the merge does it once per row, on the sum of the page partials
-            acc = tl.dot(tl.load(UNROT + d[None, :] * D + d[:, None]), acc)
+        if V_ROTATE:  # back from the rotated domain (o Hd; linear, so before normalizing and merging)
+            acc = tl.trans(_hadamard(tl.trans(acc), LOG2_D, False))
     if ONE_PROGRAM or split < 0:
         # FP16 tiers: part 0 = sink, parts 1.. = the recent tier in equal chunks of whole steps (at a
         # short context these chains of dependent steps, not the pages, are the longest program;
@@ -647,18 +673,16 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, UNROT, num_splits, M, H: tl.constexpr, D: tl.constexpr,
+def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, M, H: tl.constexpr, D: tl.constexpr,
                   D_BLOCK: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, TIERS: tl.constexpr, CHUNK: tl.constexpr,
-                  RETURN_LSE: tl.constexpr, ROTATED: tl.constexpr, PDL: tl.constexpr):
+                  RETURN_LSE: tl.constexpr, PDL: tl.constexpr):
     """out[bh, m] = sum over the row's written partials of o_s * 2^lse_s / sum 2^lse_s (0 if no
     split saw a token), and optionally the total log-sum-exp in natural log. The partials are the
     FP16 tiers' TIERS parts and the row's live page splits (_page_split), read CHUNK at a time in
     one pass: a chunk's log-sum-exps and outputs are loaded together (every live partial is
     written, an empty one as o = 0, lse = -inf), and the running sums are rescaled when a chunk
     raises the max, so a row of up to CHUNK partials costs one memory latency. Each program merges
-    D_BLOCK channels (at batch 1 there are few rows, so channels give the parallelism).
-    ROTATED: the page partials are in the pages' rotated domain; their weighted sum (all D channels)
-    is mapped back with UNROT [D, D] here, once per row, instead of once per split in the split kernel."""
+    D_BLOCK channels (at batch 1 there are few rows, so channels give the parallelism)."""
     wait_then_release(PDL)
     bh = tl.program_id(0)
     m = tl.program_id(1)
@@ -668,33 +692,21 @@ def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, UNROT, num_splits, M, 
     top = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], tl.float32)
     out = tl.zeros([D_BLOCK], tl.float32)
-    e = tl.arange(0, D)
-    rotated = tl.zeros([D], tl.float32)
     for s0 in range(0, n_read, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
         ok = s < n_read
         part = (bh * (num_splits + TIERS) + s) * M + m
         lse = tl.load(LSE_PART + part, mask=ok, other=float("-inf"))
-        if ROTATED:
-            pages = s >= TIERS
-            o = tl.load(O_PART + part[:, None] * D + d[None, :], mask=(ok & ~pages)[:, None], other=0.0)
-            o_rot = tl.load(O_PART + part[:, None] * D + e[None, :], mask=(ok & pages)[:, None], other=0.0)
-        else:
-            o = tl.load(O_PART + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        o = tl.load(O_PART + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         new_top = tl.maximum(top, tl.max(lse, 0))
         ref = tl.where(new_top == float("-inf"), 0.0, new_top)  # avoids -inf - -inf = NaN
         keep = tl.exp2(top - ref)  # what the sums so far are worth against the new max
         w = tl.exp2(lse - ref)
         total = total * keep + tl.sum(w, 0)
         out = out * keep + tl.sum(w[:, None] * o, 0)
-        if ROTATED:
-            rotated = rotated * keep + tl.sum(w[:, None] * o_rot, 0)
         top = new_top
-    merged = out
-    if ROTATED:  # (sum of page partials) @ UNROT[:, d]
-        merged += tl.sum(rotated[:, None] * tl.load(UNROT + e[:, None] * D + d[None, :]), 0)
     total_sum = tl.sum(total, 0)
-    tl.store(OUT + (bh * M + m) * D + d, (merged / tl.maximum(total_sum, 1e-30)).to(OUT.dtype.element_ty))
+    tl.store(OUT + (bh * M + m) * D + d, (out / tl.maximum(total_sum, 1e-30)).to(OUT.dtype.element_ty))
     if RETURN_LSE and tl.program_id(2) == 0:
         top_sum = tl.sum(top, 0)
         lse_all = tl.where(total_sum > 0, top_sum + tl.log2(tl.maximum(total_sum, 1e-30)), float("-inf"))
@@ -715,7 +727,7 @@ class Launch:
     programs the FP16 recent tier is split over (RECENT_PARTS). step: tokens per inner step (a power of 2, 16..PAGE_TOKENS; default
     _step). block_n: query rows per program (a power of 2 >= 4, which tl.dot pads to the MMA's 8
     itself; default the rows rounded up to BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton
-    launch options (defaults NUM_WARPS, NUM_WARPS_ROTATED or FP16_PAGE_WARPS, NUM_STAGES). asm:
+    launch options (defaults NUM_WARPS or FP16_PAGE_WARPS, NUM_STAGES). asm:
     unpack codes with PTX (default whenever compiled). softmax_steps: steps whose logits are all
     computed before one update of the running max (a power of 2, capped at a page's steps;
     default SOFTMAX_STEPS). swap: unpack the values' codes swapped where _swappable allows
@@ -741,14 +753,6 @@ class Launch:
 def _scratch(shape: tuple[int, ...], device: torch.device) -> Tensor:
     """Partial-output workspace (tests replace this to poison it)."""
     return torch.empty(shape, dtype=torch.float32, device=device)
-
-
-@functools.lru_cache(maxsize=None)
-def _as_matrix(linear_map, head_dim: int, device: torch.device) -> Tensor:
-    """M [D, D] with linear_map(x) = x @ M, for a map linear along the last dim (fmt.rotate,
-    fmt.unrotate). Applied as one matmul, or one tl.dot in the kernels, rather than by the fast
-    transform's ~23 small torch kernels (butterfly stages and casts), each a launch a layer and step."""
-    return linear_map(torch.eye(head_dim, device=device)).float().contiguous()
 
 
 @functools.lru_cache(maxsize=None)
@@ -788,7 +792,6 @@ RECENT_PARTS = 4
 # kitty-pro 216.6 -> 214.0; batch 296 / 8k kitty 873 -> 856; batch 64 / 32k level; at batch 1 /
 # 32k one program was 5-18% slower. (Between batch 1 and 16 the threshold is not measured.)
 NUM_WARPS = 1
-NUM_WARPS_ROTATED = 2  # a rotated format's [D, D] un-rotation in a one-program launch spills badly in one warp
 # FP16 pages have no codes to unpack. In a launch of few programs (at most FEW_PROGRAMS_PER_SM
 # per SM, i.e. latency-bound: batch 1 up to ~4k tokens) they take a whole page per step (up to
 # 16k elements a tile) with 4 warps, one memory latency a page instead of four: at batch 1 a
@@ -817,10 +820,8 @@ SWAP = os.environ.get("NANOKV_SWAP", "1") != "0"
 PIPELINE_STAGES = 2
 PIPELINE_MIN_PAGES = 3
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
-# splits (133 parts at 32k) should take one round. A rotated format also holds the page partials'
-# every channel ([CHUNK, D] fp32), so it reads fewer at a time.
+# splits (133 parts at 32k) should take one round.
 MERGE_CHUNK = 256
-MERGE_CHUNK_ROTATED = 64
 # Programmatic dependent launch (pdl.py) for the attention's kernels up to this batch: at batch 1
 # the step gained 4-5% with it (Llama-3-8B shape, H100), while at batch 16 kitty's step lost 2-4%
 # with it on the attention and was level with it off (docs/benchmarks.md, session 11).
@@ -968,8 +969,6 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     max_pages = page_table.shape[1]  # the longest row the table holds: what the split count was sized for
     stages = launch.page_stages or _page_stages(
         kl, vl, step, _split_pages(max_pages, num_splits, _least_pages(max_pages, launch.min_pages)))
-    qp = torch.matmul(q4.float(), _as_matrix(fmt.rotate, D, q.device)).to(q.dtype) if fmt.k.rotated else q4
-    unrot = _as_matrix(fmt.unrotate, D, q.device) if fmt.rotated else q4
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
@@ -978,14 +977,13 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else out
     o_part = out if one else _scratch((B * H, n_parts, M, D), q.device)
     lse_part = lse if one else _scratch((B * H, n_parts, M), q.device)
-    warps = launch.num_warps or (NUM_WARPS_ROTATED if fmt.rotated and one else FP16_PAGE_WARPS if whole_pages
-                                 else NUM_WARPS)
+    warps = launch.num_warps or (FP16_PAGE_WARPS if whole_pages else NUM_WARPS)
     options = dict(num_warps=warps, num_stages=launch.num_stages or NUM_STAGES)
     if launch.maxnreg:
         options["maxnreg"] = launch.maxnreg
     pdl = kernel_options(q.device, B <= PDL_MAX_BATCH if launch.pdl is None else launch.pdl)
     _split_kernel[(B * H, n_parts, n_blocks)](
-        q4, qp, unrot, nf4_levels(q.device), n_pages if slots is None else slots,  # (SLOTS unread without slots)
+        q4, nf4_levels(q.device), n_pages if slots is None else slots,  # (SLOTS unread without slots)
         page_table, n_pages, sink_k, sink_v, n_sink,
         recent_k, recent_v, n_recent, o_part, lse_part, out, lse,
         **kl.pointers(k_pages, "K_"), **vl.pointers(v_pages, "V_"),
@@ -998,7 +996,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, DENSE_STEP=32, TIERS=tiers,
         # Kitty's boosted plane, padded to whole MMA steps: rows of 32 bytes at least when pipelined, since Triton
         # copies 16-byte rows through registers instead (kitty batch 16 / 32k: 193 us with 16, 173 with 32)
-        ROTATED=fmt.rotated, NB_PAD=max(32 if stages > 1 else 16, triton.next_power_of_2(kl.n_high)),
+        LOG2_D=D.bit_length() - 1, NB_PAD=max(32 if stages > 1 else 16, triton.next_power_of_2(kl.n_high)),
         HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None, ASM=not INTERPRETED if asm is None else asm,
         ONE_PROGRAM=one, RETURN_LSE=return_lse,
         **kl.constexprs("K_"), **vl.constexprs("V_"),
@@ -1007,9 +1005,9 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     )
     if not one:
         d_block = min(D, 32)
-        chunk = min(MERGE_CHUNK_ROTATED if fmt.rotated else MERGE_CHUNK, triton.next_power_of_2(n_parts))
+        chunk = min(MERGE_CHUNK, triton.next_power_of_2(n_parts))
         _merge_kernel[(B * H, M, D // d_block)](
-            o_part, lse_part, out, lse, n_pages, unrot, num_splits, M, H=H, D=D, D_BLOCK=d_block,
+            o_part, lse_part, out, lse, n_pages, num_splits, M, H=H, D=D, D_BLOCK=d_block,
             MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, TIERS=tiers, CHUNK=chunk, RETURN_LSE=return_lse,
-            ROTATED=fmt.rotated, **pdl)
+            **pdl)
     return (out, lse) if return_lse else out

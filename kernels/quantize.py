@@ -105,10 +105,10 @@ def _encode_kernel(
     X, PAGE_IDS, HAD, MIDS, QW, CODES, SCALE, ZERO, MULT, HIGH, IDS,
     sx_n, sx_h, sx_t,
     H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr,
-    ROWS_PAD: tl.constexpr, ROTATE: tl.constexpr, SINKHORN: tl.constexpr, SCORE: tl.constexpr,
+    ROWS_PAD: tl.constexpr, SINKHORN: tl.constexpr, SCORE: tl.constexpr,
     BITS: tl.constexpr, ROWS: tl.constexpr, PER_TOKEN: tl.constexpr, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr,
     S_TOK: tl.constexpr, HDIV: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, MULT_KIND: tl.constexpr,
-    NF4: tl.constexpr, N_HIGH: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
+    NF4: tl.constexpr, N_HIGH: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, ROTATE: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -257,7 +257,7 @@ def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Ten
         x, page_ids, had, mids, query_weight if codec.needs_queries else had, **lay.pointers(pool_fields, ""),
         sx_n=x.stride(0), sx_h=x.stride(1), sx_t=x.stride(2),
         H=H, D=D, T=T, SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots),
-        ROWS_PAD=triton.next_power_of_2(lay.rows), ROTATE=lay.rotate, SINKHORN=lay.sinkhorn_iters,
+        ROWS_PAD=triton.next_power_of_2(lay.rows), SINKHORN=lay.sinkhorn_iters,
         SCORE=lay.channel_score,
         **lay.constexprs(""), num_warps=8,
     )

@@ -14,8 +14,9 @@ kernels never ask which method wrote a page. The pool stores each field contiguo
 ([num_pages, *shape]), which is what the strides assume.
 
 Encoding runs a few stages before the range that decoding does not undo in the kernel
-(KVarN's rotation and Sinkhorn balance, Kitty's channel score); the encode-only fields
-describe them and attention ignores them.
+(KVarN's Sinkhorn balance, Kitty's channel score); the encode-only fields describe them and
+attention ignores them. The rotation it does undo: rotated pages meet a rotated q, and their
+output is rotated back.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class Layout:
     nf4: bool = False  # level(code) = NF4 table lookup
     n_high: int = 0  # Kitty: boosted channels with a sparse high plane (0: none)
     channel_major: bool = False  # code plane stored [D, rows] (ChannelMajor: value pages) instead of [rows, D]
+    rotate: bool = False  # pages hold x @ Hd (KVarN; kitty-qh's values): attention rotates q / un-rotates its output
     # encode only (attention ignores them)
-    rotate: bool = False  # x @ Hd before anything else (KVarN)
     sinkhorn_iters: int = 0  # rounds of Sinkhorn balance, whose kept factor becomes mult (KVarN; 0: none)
     channel_score: int = 0  # how n_high channels are ranked: 0 mean |x|, 1 range (max - min), 2 range x mean |q|
     encode_unsupported: str = ""  # why the encode kernel cannot write these pages ("": it can)
@@ -77,7 +78,7 @@ class Layout:
         """The constants every kernel takes (not the encode-only ones) as keyword arguments, prefixed
         with e.g. 'K_' or 'V_'."""
         names = ("bits", "rows", "per_token", "s_page", "s_head", "s_tok", "hdiv", "group", "has_zero",
-                 "mult_kind", "nf4", "n_high", "channel_major")
+                 "mult_kind", "nf4", "n_high", "channel_major", "rotate")
         return {f"{prefix}{n.upper()}": int(getattr(self, n)) for n in names}
 
     def pointers(self, pages: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:

@@ -126,6 +126,7 @@ CASES = [
     ("kvarn", 128, 1, 1, "mixed", 2, 2, ""),
     ("kvarn", 64, 4, 1, "long", 2, 3, "window=700"),
     ("kvarn-k4v2", 64, 4, 2, "long", 2, None, ""),
+    ("kitty-qh", 64, 4, 1, "mixed", 2, 2, "lse"),  # rotated values only: q stays, the output turns back
     ("nqkv", 64, 7, 1, "mixed", 3, 3, ""),  # H*D = 192: each NF4 block spans the 3 heads
     ("nqkv:block=32", 64, 1, 1, "long", 2, None, ""),  # blocks narrower than a head
     ("kvmix:3v3", 64, 4, 1, "mixed", 2, 3, ""),
@@ -318,7 +319,7 @@ def test_fp16_page_steps_do_not_change_the_result():
 
 @pytest.mark.parametrize("name,window,lse,short_pages", [
     ("kitty", None, False, 32), ("kitty", None, False, 0), ("kitty", 300, True, 32), ("kitty", 300, True, 0),
-    ("kvarn", None, False, 32),  # rotated: the merge also sums the page partials' every channel
+    ("kvarn", None, False, 32),  # rotated: every split un-rotates its own partial
 ])
 def test_split_count_does_not_change_the_result(name, window, lse, short_pages, monkeypatch):
     """1, 2, 7 and 20 splits, the recent tier split over 3 programs with one-page splits, and a
@@ -329,7 +330,6 @@ def test_split_count_does_not_change_the_result(name, window, lse, short_pages, 
     several chunks and rescales its sums when a later chunk raises the max.
     short_pages 0: every row takes the long rows' two-page minimum per split."""
     monkeypatch.setattr(attention, "MERGE_CHUNK", 4)
-    monkeypatch.setattr(attention, "MERGE_CHUNK_ROTATED", 4)
     monkeypatch.setattr(attention, "SHORT_ROW_PAGES", short_pages)
     monkeypatch.setattr(attention, "_scratch", lambda shape, device: torch.full(shape, float("nan"), device=device))
     gen = torch.Generator().manual_seed(7)
