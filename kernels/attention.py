@@ -772,7 +772,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 # Programs per SM the split rule aims at: each program walks its pages one after the other, so
-# the number in flight is what hides memory latency. One warp per program (two for KVarN), no
+# the number in flight is what hides memory latency. One warp per program, no
 # software pipelining of the whole kernel: the fastest launch of a sweep of warps and stages for the
 # 2-bit and 4-bit formats (docs/benchmarks.md, sessions 6 and 15; the page loop alone is pipelined
 # where that pays, PIPELINE_STAGES). With a [D, N] accumulator and a page's codes live a warp
