@@ -144,39 +144,63 @@ def _swap_fours(x):
     return tl.reshape(tl.permute(tl.reshape(x, [R // 4, 2, 2, C]), [0, 2, 1, 3]), [R, C])
 
 
-def _nf4_lookup_asm(slot: int) -> str:
-    """PTX: four packed bytes -> the fp16 NF4 levels of their 4-bit codes in slot `slot`, by
-    byte-permute lookups: prmt indexes 8 bytes with 3 bits, so the low and high bytes of the 16
-    fp16 levels are four 8-entry tables (codes 0-7 and 8-15), and bit 3 of each code picks between
-    the two lookups (a byte mask made by prmt's sign-replicate mode)."""
+def _nf4_lookup_asm() -> str:
+    """PTX: four packed bytes -> the fp16 NF4 levels of both their nibbles (slot 0, the low ones, as
+    $0 $1 and slot 1 as $2 $3; byte i as element i of each), by byte-permute lookups. prmt indexes
+    8 bytes with 3 bits, so the low and high bytes of the 16 fp16 levels are four 8-entry tables
+    (codes 0-7 and 8-15), and bit 3 of each code picks between two lookups (a byte mask made by
+    prmt's sign-replicate mode). Both slots at once, the word's nibbles are the selectors as they
+    lie: its low half indexes the codes of bytes 0 and 1, the high half (after one shift) those of
+    bytes 2 and 3, and the last prmt of each output sorts the looked-up bytes into elements. Per
+    eight codes 21 instructions; one slot at a time took 29 and two prmt more to gather each
+    slot's four nibbles into one selector."""
     bits = [int(b) & 0xFFFF for b in NF4_LEVELS.half().view(torch.int16).tolist()]
     lo, hi = [b & 0xFF for b in bits], [b >> 8 for b in bits]
 
     def word(table, first):  # bytes first..first+3 of a table, little-endian
         return sum(table[first + i] << (8 * i) for i in range(4))
 
-    shift = f"shr.b32 c, $2, {4 * slot};\n" if slot else "mov.b32 c, $2;\n"
+    def lookups(sel, flags, lo_out, hi_out):  # the levels of sel's four 3-bit nibbles, bit 3 from flags
+        return (
+            f"prmt.b32 la, {word(lo, 0):#x}, {word(lo, 4):#x}, {sel};\n"
+            f"prmt.b32 lb, {word(lo, 8):#x}, {word(lo, 12):#x}, {sel};\n"
+            f"prmt.b32 ha, {word(hi, 0):#x}, {word(hi, 4):#x}, {sel};\n"
+            f"prmt.b32 hb, {word(hi, 8):#x}, {word(hi, 12):#x}, {sel};\n"
+            f"lop3.b32 {lo_out}, {flags}, lb, la, 0xca;\n"  # flags ? lb : la
+            f"lop3.b32 {hi_out}, {flags}, hb, ha, 0xca;\n"
+        )
+
     return (
-        "{\n.reg .b32 c, t, s, m, la, lb, ha, hb, lo, hi;\n" + shift +
-        "and.b32 c, c, 0x0F0F0F0F;\n"  # codes c0..c3, one per byte
-        "shr.b32 t, c, 4;\n"
-        "or.b32 t, c, t;\n"  # byte 0 = c0 | c1 << 4, byte 2 = c2 | c3 << 4
-        "prmt.b32 s, t, 0, 0x0020;\n"  # selector nibbles c0, c1, c2, c3
-        "and.b32 s, s, 0x7777;\n"  # 3-bit indices (bit 3 would switch prmt to sign mode)
-        "shl.b32 m, c, 4;\n"
-        "prmt.b32 m, m, 0, 0xBA98;\n"  # byte k = 0xFF where c_k >= 8
-        f"prmt.b32 la, {word(lo, 0):#x}, {word(lo, 4):#x}, s;\n"
-        f"prmt.b32 lb, {word(lo, 8):#x}, {word(lo, 12):#x}, s;\n"
-        f"prmt.b32 ha, {word(hi, 0):#x}, {word(hi, 4):#x}, s;\n"
-        f"prmt.b32 hb, {word(hi, 8):#x}, {word(hi, 12):#x}, s;\n"
-        "lop3.b32 lo, m, lb, la, 0xca;\n"  # m ? lb : la
-        "lop3.b32 hi, m, hb, ha, 0xca;\n"
-        "prmt.b32 $0, lo, hi, 0x5140;\n"  # fp16 levels 0, 1
-        "prmt.b32 $1, lo, hi, 0x7362;\n}"  # fp16 levels 2, 3
+        "{\n.reg .b32 s, t, u, m, n, la, lb, ha, hb, lo, hi, lo2, hi2;\n"
+        "and.b32 s, $4, 0x77777777;\n"  # nibble k: code k's low 3 bits (bit 3 would switch prmt to sign mode)
+        "shr.b32 t, s, 16;\n"
+        # byte k = 0xFF where nibble k's bit 3 is set: bits 7 and 15 are the msbs of bytes 0 and 1,
+        # bits 3 and 11 those of bytes 0 and 1 of the word shifted by 4 (likewise 19-31, bytes 2 and 3)
+        "shl.b32 u, $4, 4;\n"
+        "prmt.b32 m, $4, u, 0x9D8C;\n"
+        "prmt.b32 n, $4, u, 0xBFAE;\n"
+        + lookups("s", "m", "lo", "hi") + lookups("t", "n", "lo2", "hi2") +
+        # lo/hi byte k: nibble k = slot k % 2 of byte k // 2 (lo2/hi2: of byte 2 + k // 2)
+        "prmt.b32 $0, lo, hi, 0x6240;\n"
+        "prmt.b32 $1, lo2, hi2, 0x6240;\n"
+        "prmt.b32 $2, lo, hi, 0x7351;\n"
+        "prmt.b32 $3, lo2, hi2, 0x7351;\n}"
     )
 
 
-NF4_ASM = tl.constexpr(tuple(_nf4_lookup_asm(slot) for slot in range(2)))
+NF4_ASM = tl.constexpr(_nf4_lookup_asm())
+
+
+@triton.jit
+def _nf4_levels(raw, LEVELS, ASM: tl.constexpr):
+    """The NF4 levels of both nibbles of the packed bytes `raw`: (slot 0, slot 1), fp16 (ASM) or fp32."""
+    if ASM:
+        low, high = tl.inline_asm_elementwise(NF4_ASM, "=r,=r,=r,=r,r", [raw], dtype=(tl.float16, tl.float16),
+                                              is_pure=True, pack=4)
+    else:
+        code = raw.to(tl.int32)
+        low, high = tl.load(LEVELS + (code & 15)), tl.load(LEVELS + (code >> 4))
+    return low, high
 
 
 @triton.jit
@@ -188,7 +212,7 @@ def _levels(raw, LEVELS, BITS: tl.constexpr, SLOT: tl.constexpr, NF4: tl.constex
     come out with rows 1 and 2 of every four exchanged (module docstring)."""
     if ASM:
         if NF4:
-            x = tl.inline_asm_elementwise(NF4_ASM[SLOT], "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+            x = _nf4_levels(raw, LEVELS, ASM)[SLOT]
         else:
             x = tl.inline_asm_elementwise(_slot_asm(BITS, SLOT, SWAP), "=r,=r,r", [raw], dtype=tl.float16,
                                           is_pure=True, pack=4)
@@ -391,6 +415,9 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
     K_CM: tl.constexpr = K_ROWS if K_CHANNEL_MAJOR else 0  # (_rows)
     V_CM: tl.constexpr = V_ROWS if V_CHANNEL_MAJOR else 0
     SLOTS: tl.constexpr = PAGE_TOKENS // ROWS  # steps per block of rows
+    # NF4 planes of ROWS rows hold two slots, steps i and i + 1 of a block, looked up together (_nf4_levels)
+    K_PAIRED: tl.constexpr = K_NF4 and (K_ROWS == ROWS) and (ROWS % STEP == 0)
+    V_PAIRED: tl.constexpr = V_NF4 and (V_ROWS == ROWS) and (ROWS % STEP == 0)
     STEPS: tl.constexpr = PAGE_TOKENS // STEP  # steps per page
     page_next = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0).to(tl.int64)
     for p in tl.range(p0, p1, num_stages=PAGE_STAGES):
@@ -467,8 +494,13 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
                     k_raw = _rows(k_plane, t, d, d, D, False, K_CM)
                     if K_N_HIGH > 0:
                         hi_raw = _rows(hi_plane, t, r, r_ok, K_N_HIGH, K_N_HIGH < NB_PAD, 0)
-                k = _tile(k_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, K_BITS, K_ROWS,
-                          K_NF4, ASM, k_raw, (K_ROWS == STEP) or (K_ROWS == ROWS), False, K_CM)
+                if K_PAIRED and (i % SLOTS == 0):  # both slots of the rows: this step's and the next one's
+                    k, k_next = _nf4_levels(k_raw, LEVELS, ASM)
+                elif K_PAIRED:
+                    k = k_next
+                else:
+                    k = _tile(k_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, K_BITS,
+                              K_ROWS, K_NF4, ASM, k_raw, (K_ROWS == STEP) or (K_ROWS == ROWS), False, K_CM)
                 k_off = _tile_offset(K_BITS, K_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), K_NF4)
                 if K_PER_TOKEN and (K_GROUP < D):  # decoded in the tile: nothing left to correct after the product
                     k = _grouped(k, K_SCALE, K_ZERO, page, h, t, d, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP,
@@ -519,8 +551,13 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
                 #   per channel: o = scale_d * (sum_t (w mult_t) level_t - off * sum(w mult)) + zero_d * sum(w mult)
                 if (V_ROWS != STEP) and (V_ROWS == ROWS) and (i % SLOTS == 0):
                     v_raw = _rows(v_plane, t, d, d, D, False, V_CM)
-                v = _tile(v_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, V_BITS, V_ROWS,
-                          V_NF4, ASM, v_raw, (V_ROWS == STEP) or (V_ROWS == ROWS), V_SWAP, V_CM)
+                if V_PAIRED and (i % SLOTS == 0):
+                    v, v_next = _nf4_levels(v_raw, LEVELS, ASM)
+                elif V_PAIRED:
+                    v = v_next
+                else:
+                    v = _tile(v_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, V_BITS,
+                              V_ROWS, V_NF4, ASM, v_raw, (V_ROWS == STEP) or (V_ROWS == ROWS), V_SWAP, V_CM)
                 v_off = _tile_offset(V_BITS, V_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), V_NF4)
                 if V_PER_TOKEN and (V_GROUP < D):
                     v = _grouped(v, V_SCALE, V_ZERO, page, h, t, d, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,

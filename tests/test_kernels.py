@@ -231,11 +231,12 @@ def test_tile_options_do_not_change_the_result(name: str):
         call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(softmax_steps=3))
 
 
-def _run_ptx(asm: str, word: int) -> tuple[int, int]:
+def _run_ptx(asm: str, word: int, outputs: int = 2) -> list[int]:
     """Our reading of the few PTX b32 instructions the unpack asm uses (mov, and, or, shl, shr,
-    lop3, prmt in its default and sign-replicate modes), run on one input word $2: the outputs
-    $0 and $1. The interpreter cannot run PTX, so this is what checks the asm strings on CPU."""
-    regs = {"$2": word}
+    lop3, prmt in its default and sign-replicate modes), run on one input word (the register after
+    the outputs): the outputs $0 .. The interpreter cannot run PTX, so this is what checks the
+    asm strings on CPU."""
+    regs = {f"${outputs}": word}
     for line in asm.replace("{", "").replace("}", "").split(";"):
         line = line.strip()
         if not line or line.startswith(".reg"):
@@ -265,7 +266,7 @@ def _run_ptx(asm: str, word: int) -> tuple[int, int]:
         else:
             raise AssertionError(f"no model of {op}")
         regs[dst] = r
-    return regs["$0"], regs["$1"]
+    return [regs[f"${i}"] for i in range(outputs)]
 
 
 def _halves(r0: int, r1: int) -> list[float]:
@@ -289,17 +290,18 @@ def test_unpack_asm_gives_offset_plus_code(bits: int, swap: bool):
 
 
 def test_nf4_asm_gives_the_levels():
-    """Slot s (the low or high nibble of each byte) of four packed bytes comes out as the fp16 NF4
-    levels of those codes, byte i as element i."""
+    """Both slots (the low and the high nibble of each byte) of four packed bytes come out as the
+    fp16 NF4 levels of those codes, slot 0 then slot 1, byte i as element i of each."""
     gen = torch.Generator().manual_seed(6)
-    words = [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98] + torch.randint(0, 2**32, (200,), generator=gen,
-                                                                  dtype=torch.int64).tolist()
+    words = [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98, 0x8F8F8F8F, 0xF8F8F8F8] + torch.randint(
+        0, 2**32, (400,), generator=gen, dtype=torch.int64).tolist()
     levels = quant.NF4_LEVELS.half().tolist()
-    for slot in range(2):
-        asm = attention._nf4_lookup_asm(slot)
-        for w in words:
+    asm = attention._nf4_lookup_asm()
+    for w in words:
+        r = _run_ptx(asm, w, outputs=4)
+        for slot in range(2):
             want = [levels[w >> 8 * i >> 4 * slot & 0xF] for i in range(4)]
-            assert _halves(*_run_ptx(asm, w)) == want, (slot, hex(w))
+            assert _halves(*r[2 * slot:2 * slot + 2]) == want, (slot, hex(w))
 
 
 def test_fp16_page_steps_do_not_change_the_result():
