@@ -28,7 +28,8 @@ along the reduced axis:
     keys    sum_d qf[d] (off + c[t, d]) = (qf . c[t]) + off * sum_d qf[d]
     values  sum_t w[t] (off + c[t, d])  = (w . c[:, d]) + off * sum_t w[t]
 with qf and w the fp16-rounded operands, so the subtraction cancels exactly what the tensor cores
-added. NF4 levels come from byte-permute lookups in a split fp16 table (_nf4_lookup_asm).
+added. NF4 levels come from byte-permute lookups in a split fp16 table, both nibbles of a byte
+at once, so two steps' tiles per lookup (_nf4_lookup_asm).
 
 Value planes are stored channel-major (quant.base.ChannelMajor): the value product reduces over
 tokens, and Triton's fp16 operand layout for an 8-bit source holds four consecutive tokens of one
@@ -38,11 +39,16 @@ took three byte permutes per word to transpose in registers). Their codes are un
 bytes 0,1 into one register's halves, bytes 0,2 are taken as they lie and bytes 1,3 after one
 shift, three instructions per four codes instead of four. Tokens 1 and 2 of every four then
 trade places in the tile, so the key rows, the token factors and the window mask take the same
-order (_swapped) and the products still pair each weight with its value. The interpreter does
-the same exchange with reshapes (_swap_fours), so the CPU tests check this bookkeeping; the GPU
-tests check that the operand layout holds. (The PTX strings themselves are checked on CPU too,
-by a model of their instructions in tests/test_kernels.py.) Kitty batch 16 / 32k: 205 -> 200 us channel-major,
--> 187 swapped too; the same swap of the keys (q's channels reordered) was slower (H100, session 17).
+order (quantize.swapped) and the products still pair each weight with its value. The keys' codes
+(2- and 4-bit RTN) are unpacked the same way, but there the exchange is undone in storage: their
+planes keep the channels of every four in the order 0 2 1 3 (quant.base.SwappedColumns), so the
+swapped unpack puts them back in order and q needs no reordering. The interpreter does the same
+exchanges with reshapes (_swap_fours), so the CPU tests check this bookkeeping; the GPU tests
+check that the operand layout holds. (The PTX strings themselves are checked on CPU too, by a
+model of their instructions in tests/test_kernels.py.) Kitty batch 16 / 32k: 205 -> 200 us
+channel-major, -> 187 swapped too; the keys swapped with q's channels reordered instead was
+slower (H100, session 17); with swapped storage, kitty-pro 4-6% and kvarn 2-4% faster, the
+others 0-3% (session 21).
 
 Scales never touch the tile either: every format decodes as x = (level * scale + zero) * mult
 with scale/zero along one axis (channel or token) and mult along the other (quant/layout.py).
@@ -80,6 +86,7 @@ from quant import NF4_LEVELS, PAGE_TOKENS
 from quant.layout import Layout
 
 from .pdl import kernel_options, wait_then_release
+from .quantize import swapped
 from .reference import Tiers
 
 LOG2E = 1.4426950408889634
@@ -129,19 +136,17 @@ def _slot_asm(bits, slot, swap):
 
 
 @triton.jit
-def _swapped(i):
-    """i with bits 0 and 1 exchanged: the position whose element the swapped unpack puts at i
-    (an involution: 0 1 2 3 -> 0 2 1 3 in every group of four)."""
-    return (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1)
-
-
-@triton.jit
-def _swap_fours(x):
-    """x [R, C] with rows 1 and 2 of every four exchanged: what the swapped unpack does in
-    registers, done with reshapes where the PTX cannot run (interpreter)."""
+def _swap_fours(x, COLUMNS: tl.constexpr):
+    """x [R, C] with rows (or COLUMNS) 1 and 2 of every four exchanged: what the swapped unpack
+    does in registers along the packed axis, done with reshapes where the PTX cannot run
+    (interpreter)."""
     R: tl.constexpr = x.shape[0]
     C: tl.constexpr = x.shape[1]
-    return tl.reshape(tl.permute(tl.reshape(x, [R // 4, 2, 2, C]), [0, 2, 1, 3]), [R, C])
+    if COLUMNS:
+        y = tl.reshape(tl.permute(tl.reshape(x, [R, C // 4, 2, 2]), [0, 1, 3, 2]), [R, C])
+    else:
+        y = tl.reshape(tl.permute(tl.reshape(x, [R // 4, 2, 2, C]), [0, 2, 1, 3]), [R, C])
+    return y
 
 
 def _nf4_lookup_asm() -> str:
@@ -205,11 +210,12 @@ def _nf4_levels(raw, LEVELS, ASM: tl.constexpr):
 
 @triton.jit
 def _levels(raw, LEVELS, BITS: tl.constexpr, SLOT: tl.constexpr, NF4: tl.constexpr, ASM: tl.constexpr,
-            SWAP: tl.constexpr):
+            SWAP: tl.constexpr, COLUMNS: tl.constexpr):
     """fp16 (ASM) or fp32 values of slot SLOT of the packed bytes `raw`: offset + code for RTN codes
     (_slot_offset), the level itself for NF4. The compiled path is one pure single-input asm per
     tile, so Triton keeps the result in registers as a dot operand. SWAP (RTN only): the values
-    come out with rows 1 and 2 of every four exchanged (module docstring)."""
+    come out with elements 1 and 2 of every four exchanged along the packed axis: the tile's rows,
+    or its COLUMNS for a plane stored [rows, D] (module docstring)."""
     if ASM:
         if NF4:
             x = _nf4_levels(raw, LEVELS, ASM)[SLOT]
@@ -223,7 +229,7 @@ def _levels(raw, LEVELS, BITS: tl.constexpr, SLOT: tl.constexpr, NF4: tl.constex
         else:
             x = code.to(tl.float32) + _slot_offset(BITS, SLOT)
             if SWAP:
-                x = _swap_fours(x)
+                x = _swap_fours(x, COLUMNS)
     return x
 
 
@@ -315,7 +321,7 @@ def _tile(base, t, c, c_ok, LEVELS, t0: tl.constexpr, STEP: tl.constexpr, COLS: 
     elif ROWS % STEP == 0:  # the step lies in one slot of a block of rows: a constant shift
         if not PRELOADED:
             raw = _rows(base, t % ROWS, c, c_ok, COLS, MASKED, CM)
-        x = _levels(raw, LEVELS, BITS, t0 // ROWS, NF4, ASM, SWAP)
+        x = _levels(raw, LEVELS, BITS, t0 // ROWS, NF4, ASM, SWAP, CM == 0)
     else:  # a step across slots, or 3-bit words (10 tokens in ceil(T/10) rows): a shift per token
         raw = _rows(base, t % ROWS, c, c_ok, COLS, MASKED, CM)
         code = (raw.to(tl.int32) >> (BITS * (t // ROWS))[:, None]) & ((1 << BITS) - 1)
@@ -391,7 +397,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
            V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
            V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, SOFTMAX_STEPS: tl.constexpr,
            V_SWAP: tl.constexpr, K_CHANNEL_MAJOR: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr,
-           PAGE_STAGES: tl.constexpr):
+           K_COLUMNS_SWAPPED: tl.constexpr, PAGE_STAGES: tl.constexpr):
     """Attention of the query rows q [N, D] over the quantized pages [p0, p1) of a row: the running
     max m [N] (it may lag behind the true max, see LAZY_MAX), the sum l [N] of the weights, the
     unnormalized output acc [D, N] (transposed), and corr [N]: what acc still holds of the value
@@ -406,7 +412,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
     rs = tl.arange(0, STEP)
     # a step's tiles hold its tokens in this order: swapped values trade tokens inside fours, so
     # the keys' rows, the token factors and the window mask follow them
-    ts = _swapped(rs) if V_SWAP else rs
+    ts = swapped(rs) if V_SWAP else rs
     r = tl.arange(0, NB_PAD)
     r_ok = r < K_N_HIGH
     # value factors that live outside the [D, N] accumulator's running sum: per-channel scales
@@ -418,6 +424,8 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
     # NF4 planes of ROWS rows hold two slots, steps i and i + 1 of a block, looked up together (_nf4_levels)
     K_PAIRED: tl.constexpr = K_NF4 and (K_ROWS == ROWS) and (ROWS % STEP == 0)
     V_PAIRED: tl.constexpr = V_NF4 and (V_ROWS == ROWS) and (ROWS % STEP == 0)
+    tl.static_assert((not K_COLUMNS_SWAPPED) or ((K_BITS == 2 or K_BITS == 4) and not K_NF4 and K_ROWS % STEP == 0),
+                     "swapped key columns are put back by the swapped unpack of 2- or 4-bit RTN codes")
     STEPS: tl.constexpr = PAGE_TOKENS // STEP  # steps per page
     page_next = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0).to(tl.int64)
     for p in tl.range(p0, p1, num_stages=PAGE_STAGES):
@@ -499,8 +507,10 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
                 elif K_PAIRED:
                     k = k_next
                 else:
+                    # (columns swapped in storage: the swapped unpack puts the channels back in order)
                     k = _tile(k_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, K_BITS,
-                              K_ROWS, K_NF4, ASM, k_raw, (K_ROWS == STEP) or (K_ROWS == ROWS), False, K_CM)
+                              K_ROWS, K_NF4, ASM, k_raw, (K_ROWS == STEP) or (K_ROWS == ROWS), K_COLUMNS_SWAPPED,
+                              K_CM)
                 k_off = _tile_offset(K_BITS, K_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), K_NF4)
                 if K_PER_TOKEN and (K_GROUP < D):  # decoded in the tile: nothing left to correct after the product
                     k = _grouped(k, K_SCALE, K_ZERO, page, h, t, d, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP,
@@ -619,13 +629,14 @@ def _split_kernel(
     K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
     K_S_HEAD: tl.constexpr, K_S_TOK: tl.constexpr, K_HDIV: tl.constexpr, K_GROUP: tl.constexpr,
     K_HAS_ZERO: tl.constexpr, K_MULT_KIND: tl.constexpr, K_NF4: tl.constexpr, K_N_HIGH: tl.constexpr,
-    K_CHANNEL_MAJOR: tl.constexpr, K_ROTATE: tl.constexpr,
+    K_CHANNEL_MAJOR: tl.constexpr, K_COLUMNS_SWAPPED: tl.constexpr, K_ROTATE: tl.constexpr,
     V_BITS: tl.constexpr, V_ROWS: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_S_PAGE: tl.constexpr,
     V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
     V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, V_N_HIGH: tl.constexpr,
-    V_CHANNEL_MAJOR: tl.constexpr, V_ROTATE: tl.constexpr,
+    V_CHANNEL_MAJOR: tl.constexpr, V_COLUMNS_SWAPPED: tl.constexpr, V_ROTATE: tl.constexpr,
     PDL: tl.constexpr, SOFTMAX_STEPS: tl.constexpr, V_SWAP: tl.constexpr, PAGE_STAGES: tl.constexpr,
 ):
+    tl.static_assert(not V_COLUMNS_SWAPPED, "value planes are stored channel-major, never with swapped columns")
     wait_then_release(PDL)  # every program, the empty splits too (pdl.py)
     bh = tl.program_id(0)
     part = tl.program_id(1)
@@ -673,7 +684,7 @@ def _split_kernel(
             K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO, K_MULT_KIND,
             K_NF4, K_N_HIGH, V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
             V_HAS_ZERO, V_MULT_KIND, V_NF4, SOFTMAX_STEPS, V_SWAP, K_CHANNEL_MAJOR, V_CHANNEL_MAJOR,
-            PAGE_STAGES)
+            K_COLUMNS_SWAPPED, PAGE_STAGES)
         acc -= corr[None, :]
         if V_ROTATE:  # back from the rotated domain (o Hd; linear, so before normalizing and merging)
             acc = tl.trans(_hadamard(tl.trans(acc), LOG2_D, False))
@@ -979,7 +990,9 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     # NF4 pages keep the plain launch (split count and four recent-tier programs): their loop is
     # bound by its lookups' issue, and neither rule below paid for them (nqkv at batch 64 / 32k:
     # 8 splits 1700 us against 9 splits 1652; one recent-tier program: batch 64 / 4k 239 -> 266,
-    # batch 16 / 32k 445 -> 518; H100, session 18)
+    # batch 16 / 32k 445 -> 518; H100, session 18). With the paired lookup (8 fewer instructions per
+    # eight codes) still not: both rules on, batch 64 / 32k 1290-1329 -> 1354-1362 us, 4k 201 -> 217,
+    # batch 16 level (session 21)
     plain = kl.nf4 or vl.nf4
     if num_splits is None:
         num_splits = default_splits(page_table.shape[1], B * H * n_blocks, q.device, launch.programs_per_sm,

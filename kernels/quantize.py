@@ -36,6 +36,14 @@ STD_HI = tl.constexpr(STD_CLAMP[1])
 
 
 @triton.jit
+def swapped(i):
+    """i with bits 0 and 1 exchanged (0 1 2 3 -> 0 2 1 3 in every four; an involution): where the
+    swapped unpack of kernels/attention.py takes element i from, and so where key channel i is
+    stored (quant.base.SwappedColumns)."""
+    return (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1)
+
+
+@triton.jit
 def _f16_floor(x):
     """Largest fp16 <= x (fp16 conversion rounds to nearest; step down one ulp if it went up)."""
     h = x.to(tl.float16)
@@ -108,7 +116,8 @@ def _encode_kernel(
     ROWS_PAD: tl.constexpr, SINKHORN: tl.constexpr, SCORE: tl.constexpr,
     BITS: tl.constexpr, ROWS: tl.constexpr, PER_TOKEN: tl.constexpr, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr,
     S_TOK: tl.constexpr, HDIV: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, MULT_KIND: tl.constexpr,
-    NF4: tl.constexpr, N_HIGH: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, ROTATE: tl.constexpr,
+    NF4: tl.constexpr, N_HIGH: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, COLUMNS_SWAPPED: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -210,6 +219,8 @@ def _encode_kernel(
         row_ok = rows < ROWS
         if CHANNEL_MAJOR:  # [D, ROWS] (quant.base.ChannelMajor)
             plane = page * (H * ROWS * D) + h * (ROWS * D) + rows + c[None, :] * ROWS
+        elif COLUMNS_SWAPPED:  # channel c in column 0 2 1 3 of its four (quant.base.SwappedColumns)
+            plane = page * (H * ROWS * D) + h * (ROWS * D) + rows * D + swapped(c)[None, :]
         else:
             plane = page * (H * ROWS * D) + h * (ROWS * D) + rows * D + c[None, :]
         if N_HIGH > 0:

@@ -79,13 +79,9 @@ class Fp16Codec(TileCodec):
 
 
 @dataclass(frozen=True)
-class ChannelMajor(TileCodec):
-    """`inner` with its code plane stored transposed, [H, D, rows] instead of [H, rows, D]: each
-    channel's packed tokens contiguous. Every format's quantized values are stored so. The
-    attention multiplies values with the tokens on the reduced axis, where the tensor cores'
-    operand layout puts four consecutive tokens of one channel in each thread: four code rows of
-    a channel are then one aligned 32-bit load, where a [rows, D] plane took three byte permutes
-    per register to transpose in registers (kernels/attention.py)."""
+class StoredOrder(TileCodec):
+    """`inner` with its code plane stored in another order than [H, rows, D]: the one the
+    attention's unpack reads fastest (kernels/attention.py). Everything else is inner's."""
 
     inner: TileCodec
 
@@ -102,29 +98,79 @@ class ChannelMajor(TileCodec):
     def needs_queries(self) -> bool:
         return self.inner.needs_queries
 
+    @abstractmethod
+    def store(self, codes: Tensor) -> Tensor:
+        """The inner codec's plane [..., rows, D] in stored order."""
+
+    @abstractmethod
+    def load(self, codes: Tensor) -> Tensor:
+        """A stored plane back as [..., rows, D]."""
+
+    @property
+    def plane(self) -> str:
+        """The name of the code plane (Kitty's keys: "low", the others: "codes")."""
+        return self.inner.kernel_layout(1, 128).fields[0]
+
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
         specs = dict(self.inner.field_specs(heads, head_dim, tokens))
-        shape, dtype = specs["codes"]
-        specs["codes"] = ((*shape[:-2], shape[-1], shape[-2]), dtype)
+        shape, dtype = specs[self.plane]
+        specs[self.plane] = (tuple(self.store(torch.empty(shape, device="meta")).shape), dtype)
         return specs
 
-    def encode(self, x: Tensor, *query_weight: Tensor) -> dict[str, Tensor]:
-        fields = self.inner.encode(x, *query_weight)
-        return {**fields, "codes": fields["codes"].transpose(-1, -2).contiguous()}
+    def encode(self, x: Tensor, *query_weight: Tensor, **options) -> dict[str, Tensor]:
+        fields = self.inner.encode(x, *query_weight, **options)
+        return {**fields, self.plane: self.store(fields[self.plane])}
 
     def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
-        return self.inner.decode({**fields, "codes": fields["codes"].transpose(-1, -2)}, tokens)
+        return self.inner.decode({**fields, self.plane: self.load(fields[self.plane])}, tokens)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner})"
+
+
+class ChannelMajor(StoredOrder):
+    """The code plane stored transposed, [H, D, rows]: each channel's packed tokens contiguous.
+    Every format's quantized values are stored so. The attention multiplies values with the
+    tokens on the reduced axis, where the tensor cores' operand layout puts four consecutive
+    tokens of one channel in each thread: four code rows of a channel are then one aligned
+    32-bit load, where a [rows, D] plane took three byte permutes per register to transpose in
+    registers."""
+
+    def store(self, codes: Tensor) -> Tensor:
+        return codes.transpose(-1, -2).contiguous()
+
+    def load(self, codes: Tensor) -> Tensor:
+        return codes.transpose(-1, -2)
 
     def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
         return dataclasses.replace(self.inner.kernel_layout(heads, head_dim, tokens), channel_major=True)
 
-    def __repr__(self) -> str:
-        return f"ChannelMajor({self.inner})"
+
+def swapped_fours(n: int) -> list[int]:
+    """The order 0 2 1 3 of every four of n columns (an involution: stored column j holds column
+    swapped_fours(n)[j], and the other way round)."""
+    return [(j & ~3) | (j & 1) << 1 | (j >> 1) & 1 for j in range(n)]
+
+
+class SwappedColumns(StoredOrder):
+    """The code plane's channels stored in the order 0 2 1 3 of every four. The quantized keys
+    of 2- and 4-bit RTN formats are stored so: the attention unpacks four codes with a shift
+    and two lop3 that take bytes 0, 2 and then 1, 3 of a word (one instruction fewer than
+    spreading bytes 0, 1 and 2, 3 with two prmt), which puts the channels back in order."""
+
+    def store(self, codes: Tensor) -> Tensor:
+        return codes[..., swapped_fours(codes.shape[-1])].contiguous()
+
+    load = store
+
+    def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
+        return dataclasses.replace(self.inner.kernel_layout(heads, head_dim, tokens), columns_swapped=True)
 
 
 class KVFormat:
     """A named (K codec, V codec) pair: what one page of one layer stores. Quantized values are
-    kept channel-major (ChannelMajor)."""
+    kept channel-major (ChannelMajor), 2- and 4-bit RTN keys with their channels swapped in
+    fours (SwappedColumns)."""
 
     # Full-precision sink tokens this format keeps: None = the cache's setting; 0 for a method as
     # published without sink tokens (e.g. KIVI).
@@ -133,6 +179,10 @@ class KVFormat:
     def __init__(self, name: str, k: TileCodec, v: TileCodec, sink: int | None = None):
         if not isinstance(v, (Fp16Codec, ChannelMajor)):
             v = ChannelMajor(v)
+        if not isinstance(k, StoredOrder):
+            lay = k.kernel_layout(1, 128)
+            if lay.bits in (2, 4) and not lay.nf4:
+                k = SwappedColumns(k)
         self.name, self.k, self.v, self.sink = name, k, v, sink
 
     def sink_tokens(self, default: int) -> int:

@@ -49,6 +49,7 @@ class Layout:
     nf4: bool = False  # level(code) = NF4 table lookup
     n_high: int = 0  # Kitty: boosted channels with a sparse high plane (0: none)
     channel_major: bool = False  # code plane stored [D, rows] (ChannelMajor: value pages) instead of [rows, D]
+    columns_swapped: bool = False  # its columns stored 0 2 1 3 in every four (SwappedColumns: key pages)
     rotate: bool = False  # pages hold x @ Hd (KVarN; kitty-qh's values): attention rotates q / un-rotates its output
     # encode only (attention ignores them)
     sinkhorn_iters: int = 0  # rounds of Sinkhorn balance, whose kept factor becomes mult (KVarN; 0: none)
@@ -78,7 +79,7 @@ class Layout:
         """The constants every kernel takes (not the encode-only ones) as keyword arguments, prefixed
         with e.g. 'K_' or 'V_'."""
         names = ("bits", "rows", "per_token", "s_page", "s_head", "s_tok", "hdiv", "group", "has_zero",
-                 "mult_kind", "nf4", "n_high", "channel_major", "rotate")
+                 "mult_kind", "nf4", "n_high", "channel_major", "columns_swapped", "rotate")
         return {f"{prefix}{n.upper()}": int(getattr(self, n)) for n in names}
 
     def pointers(self, pages: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
