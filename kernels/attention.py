@@ -771,7 +771,7 @@ class Launch:
 
     num_splits: page splits per (row, kv head), 0 = one program walks everything (no merge);
     default: default_splits. programs_per_sm: what the default split count aims at
-    (PROGRAMS_PER_SM). min_pages: fewest pages per split (MIN_PAGES_PER_SPLIT). recent_parts:
+    (PROGRAMS_PER_SM; NF4 pages: NF4_PROGRAMS_PER_SM). min_pages: fewest pages per split (MIN_PAGES_PER_SPLIT). recent_parts:
     programs the FP16 recent tier is split over (RECENT_PARTS). step: tokens per inner step (a power of 2, 16..PAGE_TOKENS; default
     _step). block_n: query rows per program (a power of 2 >= 4, which tl.dot pads to the MMA's 8
     itself; default the rows rounded up to BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton
@@ -826,6 +826,10 @@ def _sm_count(device: torch.device) -> int:
 # where that pays, PIPELINE_STAGES). With a [D, N] accumulator and a page's codes live a warp
 # needs ~255 registers, so an SM keeps 8 programs resident and queues the rest.
 PROGRAMS_PER_SM = 32
+# NF4 pages (plain launch, below) take twice as many, so shorter splits: with the paired lookup, nqkv
+# at 32k batch 16 387 -> 360 us, batch 64 1325 -> 1287, batch 16 / 4k 71 -> 70, batch 64 / 4k
+# 202 -> 206 (`--variants auto,m64`, two runs, H100, session 21); batch 1 is capped by its pages.
+NF4_PROGRAMS_PER_SM = 64
 RESIDENT_PER_SM = 8  # every format's split kernel compiles to 255 registers (scripts/sass.py)
 MIN_PAGES_PER_SPLIT = 2
 # Short rows (up to 4k tokens) split one page per program, and the FP16 recent tier (up to 255
@@ -992,11 +996,12 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     # 8 splits 1700 us against 9 splits 1652; one recent-tier program: batch 64 / 4k 239 -> 266,
     # batch 16 / 32k 445 -> 518; H100, session 18). With the paired lookup (8 fewer instructions per
     # eight codes) still not: both rules on, batch 64 / 32k 1290-1329 -> 1354-1362 us, 4k 201 -> 217,
-    # batch 16 level (session 21)
+    # batch 16 level (session 21). They aim at NF4_PROGRAMS_PER_SM instead of PROGRAMS_PER_SM.
     plain = kl.nf4 or vl.nf4
     if num_splits is None:
-        num_splits = default_splits(page_table.shape[1], B * H * n_blocks, q.device, launch.programs_per_sm,
-                                    launch.min_pages, fill_waves=not plain)
+        per_sm = launch.programs_per_sm or (NF4_PROGRAMS_PER_SM if plain else None)
+        num_splits = default_splits(page_table.shape[1], B * H * n_blocks, q.device, per_sm, launch.min_pages,
+                                    fill_waves=not plain)
         num_splits = 0 if num_splits == 1 else num_splits  # one split: no partials, no merge
     one = num_splits == 0
     crowded = 2 * B * H * n_blocks >= _sm_count(q.device) and not plain
