@@ -216,20 +216,15 @@ def _levels(raw, LEVELS, BITS: tl.constexpr, SLOT: tl.constexpr, NF4: tl.constex
     tile, so Triton keeps the result in registers as a dot operand. SWAP (RTN only): the values
     come out with elements 1 and 2 of every four exchanged along the packed axis: the tile's rows,
     or its COLUMNS for a plane stored [rows, D] (module docstring)."""
-    if ASM:
-        if NF4:
-            x = _nf4_levels(raw, LEVELS, ASM)[SLOT]
-        else:
-            x = tl.inline_asm_elementwise(_slot_asm(BITS, SLOT, SWAP), "=r,=r,r", [raw], dtype=tl.float16,
-                                          is_pure=True, pack=4)
+    if NF4:  # (the page loop looks both slots up at once wherever it can: _pages' K_PAIRED, V_PAIRED)
+        x = _nf4_levels(raw, LEVELS, ASM)[SLOT]
+    elif ASM:
+        x = tl.inline_asm_elementwise(_slot_asm(BITS, SLOT, SWAP), "=r,=r,r", [raw], dtype=tl.float16,
+                                      is_pure=True, pack=4)
     else:
-        code = (raw.to(tl.int32) >> (BITS * SLOT)) & ((1 << BITS) - 1)
-        if NF4:
-            x = tl.load(LEVELS + code)
-        else:
-            x = code.to(tl.float32) + _slot_offset(BITS, SLOT)
-            if SWAP:
-                x = _swap_fours(x, COLUMNS)
+        x = ((raw.to(tl.int32) >> (BITS * SLOT)) & ((1 << BITS) - 1)).to(tl.float32) + _slot_offset(BITS, SLOT)
+        if SWAP:
+            x = _swap_fours(x, COLUMNS)
     return x
 
 

@@ -219,10 +219,8 @@ def _encode_kernel(
         row_ok = rows < ROWS
         if CHANNEL_MAJOR:  # [D, ROWS] (quant.base.ChannelMajor)
             plane = page * (H * ROWS * D) + h * (ROWS * D) + rows + c[None, :] * ROWS
-        elif COLUMNS_SWAPPED:  # channel c in column 0 2 1 3 of its four (quant.base.SwappedColumns)
-            plane = page * (H * ROWS * D) + h * (ROWS * D) + rows * D + swapped(c)[None, :]
-        else:
-            plane = page * (H * ROWS * D) + h * (ROWS * D) + rows * D + c[None, :]
+        else:  # [ROWS, D], channel c in column 0 2 1 3 of its four if COLUMNS_SWAPPED (quant.base.SwappedColumns)
+            plane = page * (H * ROWS * D) + h * (ROWS * D) + rows * D + (swapped(c) if COLUMNS_SWAPPED else c)[None, :]
         if N_HIGH > 0:
             # dense plane: the 2 low bits of every channel; sparse plane: the 2 high bits of boosted ones at their rank
             packed = tl.sum((code & 3) << shift, 0)

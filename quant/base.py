@@ -10,6 +10,7 @@ to the attention output where a codec stores rotated pages, and the format of a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -106,7 +107,7 @@ class StoredOrder(TileCodec):
     def load(self, codes: Tensor) -> Tensor:
         """A stored plane back as [..., rows, D]."""
 
-    @property
+    @functools.cached_property
     def plane(self) -> str:
         """The name of the code plane (Kitty's keys: "low", the others: "codes")."""
         return self.inner.kernel_layout(1, 128).fields[0]
@@ -146,12 +147,6 @@ class ChannelMajor(StoredOrder):
         return dataclasses.replace(self.inner.kernel_layout(heads, head_dim, tokens), channel_major=True)
 
 
-def swapped_fours(n: int) -> list[int]:
-    """The order 0 2 1 3 of every four of n columns (an involution: stored column j holds column
-    swapped_fours(n)[j], and the other way round)."""
-    return [(j & ~3) | (j & 1) << 1 | (j >> 1) & 1 for j in range(n)]
-
-
 class SwappedColumns(StoredOrder):
     """The code plane's channels stored in the order 0 2 1 3 of every four. The quantized keys
     of 2- and 4-bit RTN formats are stored so: the attention unpacks four codes with a shift
@@ -159,9 +154,10 @@ class SwappedColumns(StoredOrder):
     spreading bytes 0, 1 and 2, 3 with two prmt), which puts the channels back in order."""
 
     def store(self, codes: Tensor) -> Tensor:
-        return codes[..., swapped_fours(codes.shape[-1])].contiguous()
+        return self.load(codes).contiguous()
 
-    load = store
+    def load(self, codes: Tensor) -> Tensor:  # (the order is its own inverse)
+        return codes.unflatten(-1, (-1, 2, 2)).transpose(-1, -2).flatten(-3)
 
     def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
         return dataclasses.replace(self.inner.kernel_layout(heads, head_dim, tokens), columns_swapped=True)

@@ -295,7 +295,7 @@ def test_kernel_layout_addresses_the_stored_fields(name):
     """A codec's kernel layout names exactly the fields it stores, its code plane with the rows it
     has, [H, rows, D] or, for quantized values, channel-major [H, D, rows]; the planes of 2- and
     4-bit RTN keys keep their channels swapped in fours (stored column j holds channel
-    swapped_fours[j]), which decode undoes."""
+    0 2 1 3 of its four), which decode undoes."""
     for heads, head_dim in ((1, 64), (3, 128)):
         for fmt in layer_formats(name):
             for codec in (fmt.k, fmt.v):
@@ -306,7 +306,7 @@ def test_kernel_layout_addresses_the_stored_fields(name):
                 assert plane == ((heads, head_dim, lay.rows) if lay.channel_major else (heads, lay.rows, head_dim))
                 swappable = codec is fmt.k and lay.bits in (2, 4) and not lay.nf4
                 assert lay.columns_swapped == swappable, (fmt.name, codec)
-                if swappable:  # what is stored at column j is what the plain codec stores at swapped_fours[j]
+                if swappable:  # what is stored at column j is what the plain codec stores at order[j]
                     x = torch.randn(heads, 128, head_dim)
                     inner = codec.inner.encode(x)[lay.fields[0]]
                     stored = codec.encode(x)[lay.fields[0]]
