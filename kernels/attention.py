@@ -59,7 +59,11 @@ product per step: their high-bit plane against q gathered at the boosted ids (x 
 Pipelining: where every packed plane is one step's rows (the 2-bit RTN formats) and a split walks
 at least PIPELINE_MIN_PAGES pages, the page loop alone runs with Triton's num_stages=2, which copies
 the next page's code planes, channel scales and boosted plane into shared memory (cp.async) while
-this page computes (_page_stages). The FP16 tiers' loops are never pipelined.
+this page computes (_page_stages). The FP16 tiers' loops are never pipelined. Where a split walks
+only two pages (batch 1 at long contexts) the loop is not pipelined, and every split starts at once
+and loads its first page in the same burst; there, once a page's keys have arrived, the next page's
+fields are prefetched into the L2 (cp.async.bulk.prefetch, _prefetch_page), so that they stream in
+while this page computes instead of in a second burst (PREFETCH).
 
 The cache's extras: `slots` (batch row b reads slot slots[b] of the page table and the dense
 buffers), a sliding `window` (tokens older than a query's window are masked, whole pages of
@@ -228,6 +232,59 @@ def _levels(raw, LEVELS, BITS: tl.constexpr, SLOT: tl.constexpr, NF4: tl.constex
     return x
 
 
+@constexpr_function
+def _prefetch_asm(nbytes):
+    """PTX: thread 0 asks the L2 for the nbytes at $1 ($2 != 0: go), widened to whole 16-byte
+    chunks as the bulk prefetch needs (the extra bytes are the neighbours' and harmless). It
+    does not wait for them; $0 is a dummy result (Triton's inline asm must have one)."""
+    return (
+        "{\n.reg .pred p;\n.reg .b32 tid;\n.reg .b64 a, e;\n"
+        "mov.u32 tid, %tid.x;\n"
+        "setp.eq.u32 p, tid, 0;\n"
+        "setp.ne.and.u32 p, $2, 0, p;\n"
+        "and.b64 a, $1, -16;\n"
+        f"add.s64 e, $1, {nbytes + 15};\n"
+        "and.b64 e, e, -16;\n"
+        "sub.s64 e, e, a;\n"
+        "cvt.u32.u64 tid, e;\n"
+        "@p cp.async.bulk.prefetch.L2.global [a], tid;\n"
+        "mov.u32 $0, 0;\n}"
+    )
+
+
+@triton.jit
+def _prefetch(ptr, n: tl.constexpr, go, after):
+    """Ask the L2 for the n elements at ptr, without waiting for them (_prefetch_asm), if go; not
+    before the float32 `after` has been computed."""
+    tl.inline_asm_elementwise(_prefetch_asm(n * (ptr.dtype.element_ty.primitive_bitwidth // 8)), "=r,l,r,r",
+                              [ptr, go.to(tl.int32), after.to(tl.int32, bitcast=True)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_page(page, h, go, after, CODES, SCALE, ZERO, MULT, H: tl.constexpr, D: tl.constexpr,
+                   PAGE_TOKENS: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, PER_TOKEN: tl.constexpr,
+                   S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, HDIV: tl.constexpr, HAS_ZERO: tl.constexpr,
+                   MULT_KIND: tl.constexpr):
+    """Prefetch one kv head's slice of every field of a page that _pages reads (codes, scale, zero,
+    mult) into the L2, if go, after `after` (_prefetch)."""
+    _prefetch(CODES + page * (H * ROWS * D) + h * (ROWS * D), ROWS * D, go, after)
+    if BITS != 16:
+        if PER_TOKEN:
+            factors = SCALE + page * S_PAGE + (h // HDIV) * S_HEAD
+            _prefetch(factors, S_HEAD, go, after)
+            if HAS_ZERO:
+                _prefetch(ZERO + page * S_PAGE + (h // HDIV) * S_HEAD, S_HEAD, go, after)
+        else:
+            _prefetch(SCALE + page * S_PAGE + h * S_HEAD, D, go, after)
+            if HAS_ZERO:
+                _prefetch(ZERO + page * S_PAGE + h * S_HEAD, D, go, after)
+    if MULT_KIND == 1:
+        _prefetch(MULT + page * (H * PAGE_TOKENS) + h * PAGE_TOKENS, PAGE_TOKENS, go, after)
+    if MULT_KIND == 2:
+        _prefetch(MULT + page * (H * D) + h * D, D, go, after)
+
+
 @triton.jit
 def _token_factor(PTR, page, h, t, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, S_TOK: tl.constexpr,
                   HDIV: tl.constexpr):
@@ -392,7 +449,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
            V_S_HEAD: tl.constexpr, V_S_TOK: tl.constexpr, V_HDIV: tl.constexpr, V_GROUP: tl.constexpr,
            V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, SOFTMAX_STEPS: tl.constexpr,
            V_SWAP: tl.constexpr, K_CHANNEL_MAJOR: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr,
-           K_COLUMNS_SWAPPED: tl.constexpr, PAGE_STAGES: tl.constexpr):
+           K_COLUMNS_SWAPPED: tl.constexpr, PAGE_STAGES: tl.constexpr, PREFETCH: tl.constexpr):
     """Attention of the query rows q [N, D] over the quantized pages [p0, p1) of a row: the running
     max m [N] (it may lag behind the true max, see LAZY_MAX), the sum l [N] of the weights, the
     unnormalized output acc [D, N] (transposed), and corr [N]: what acc still holds of the value
@@ -422,10 +479,19 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
     tl.static_assert((not K_COLUMNS_SWAPPED) or ((K_BITS == 2 or K_BITS == 4) and not K_NF4 and K_ROWS % STEP == 0),
                      "swapped key columns are put back by the swapped unpack of 2- or 4-bit RTN codes")
     STEPS: tl.constexpr = PAGE_TOKENS // STEP  # steps per page
+    # with PREFETCH, page ids are read two pages ahead, so the next page's id is at hand during this
+    # page, whose compute the next page's fields stream into the L2 under (_prefetch_page)
     page_next = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0).to(tl.int64)
+    page_after = page_next
+    if PREFETCH:
+        page_after = tl.load(PT + slot * s_pt_b + (p0 + 1) * s_pt_p, mask=p0 + 1 < p1, other=0).to(tl.int64)
     for p in tl.range(p0, p1, num_stages=PAGE_STAGES):
-        page = page_next  # the next page's id is read a page ahead: its codes' addresses are ready at once
-        page_next = tl.load(PT + slot * s_pt_b + (p + 1) * s_pt_p, mask=p + 1 < p1, other=0).to(tl.int64)
+        page = page_next  # the next page's id is read ahead: its codes' addresses are ready at once
+        if PREFETCH:
+            page_next = page_after
+            page_after = tl.load(PT + slot * s_pt_b + (p + 2) * s_pt_p, mask=p + 2 < p1, other=0).to(tl.int64)
+        else:
+            page_next = tl.load(PT + slot * s_pt_b + (p + 1) * s_pt_p, mask=p + 1 < p1, other=0).to(tl.int64)
         # ---- keys: fold the channel factors into q once per page --------------------------------
         #   per channel: s = mult_t * ((q * scale) . level_t - off * sum(q * scale) + q . zero)
         #   per token:   s = scale_t * ((q * mult) . level_t - off * sum(q * mult)) + zero_t * sum(q * mult)
@@ -541,6 +607,19 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
             for i in tl.static_range(1, SOFTMAX_STEPS):
                 s_max = tl.maximum(s_max, logits[i])
             m_new = tl.maximum(m_i, tl.max(s_max, 0))
+            if PREFETCH and (g0 == 0):
+                # after this page's keys have arrived (the asm waits on `after`), so that the next page's
+                # bytes do not share the DRAM with them but stream in while this page computes
+                after = tl.max(m_new, 0)
+                go = p + 1 < p1
+                _prefetch_page(page_next, h, go, after, K_CODES, K_SCALE, K_ZERO, K_MULT, H, D, PAGE_TOKENS, K_BITS,
+                               K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_HDIV, K_HAS_ZERO, K_MULT_KIND)
+                _prefetch_page(page_next, h, go, after, V_CODES, V_SCALE, V_ZERO, V_MULT, H, D, PAGE_TOKENS, V_BITS,
+                               V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_HDIV, V_HAS_ZERO, V_MULT_KIND)
+                if K_N_HIGH > 0:
+                    _prefetch(K_HIGH + page_next * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH),
+                              K_ROWS * K_N_HIGH, go, after)
+                    _prefetch(K_IDS + page_next * (H * K_N_HIGH) + h * K_N_HIGH, K_N_HIGH, go, after)
             if tl.max(m_new - m_i, 0) > LAZY_MAX:  # raise the max and rescale (rare after the first pages)
                 alpha = tl.exp2(m_i - m_new)
                 acc *= alpha[None, :]
@@ -630,6 +709,7 @@ def _split_kernel(
     V_HAS_ZERO: tl.constexpr, V_MULT_KIND: tl.constexpr, V_NF4: tl.constexpr, V_N_HIGH: tl.constexpr,
     V_CHANNEL_MAJOR: tl.constexpr, V_COLUMNS_SWAPPED: tl.constexpr, V_ROTATE: tl.constexpr,
     PDL: tl.constexpr, SOFTMAX_STEPS: tl.constexpr, V_SWAP: tl.constexpr, PAGE_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     tl.static_assert(not V_COLUMNS_SWAPPED, "value planes are stored channel-major, never with swapped columns")
     wait_then_release(PDL)  # every program, the empty splits too (pdl.py)
@@ -679,7 +759,7 @@ def _split_kernel(
             K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO, K_MULT_KIND,
             K_NF4, K_N_HIGH, V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
             V_HAS_ZERO, V_MULT_KIND, V_NF4, SOFTMAX_STEPS, V_SWAP, K_CHANNEL_MAJOR, V_CHANNEL_MAJOR,
-            K_COLUMNS_SWAPPED, PAGE_STAGES)
+            K_COLUMNS_SWAPPED, PAGE_STAGES, PREFETCH)
         acc -= corr[None, :]
         if V_ROTATE:  # back from the rotated domain (o Hd; linear, so before normalizing and merging)
             acc = tl.trans(_hadamard(tl.trans(acc), LOG2_D, False))
@@ -775,7 +855,7 @@ class Launch:
     computed before one update of the running max (a power of 2, capped at a page's steps;
     default SOFTMAX_STEPS). swap: unpack the values' codes swapped where _swappable allows
     (default SWAP). page_stages: Triton num_stages of the page loop alone, 1 = not pipelined
-    (default _page_stages)."""
+    (default _page_stages). prefetch: prefetch the next page into the L2 (default _prefetches)."""
 
     num_splits: int | None = None
     programs_per_sm: int | None = None
@@ -791,6 +871,7 @@ class Launch:
     softmax_steps: int | None = None
     swap: bool | None = None
     page_stages: int | None = None
+    prefetch: bool | None = None
 
 
 def _scratch(shape: tuple[int, ...], device: torch.device) -> Tensor:
@@ -865,6 +946,16 @@ SWAP = os.environ.get("NANOKV_SWAP", "1") != "0"
 # process: batch 16 kitty 185.1 -> 173.8, kitty-pro 213.1 -> 183.4, kivi-k2v2 155.7 -> 148.4, kvarn
 # 227.8 -> 219.7; batch 64 kitty 655.6 -> 625.4, kitty-pro 756.0 -> 654.2. Launch.page_stages overrides it.
 PIPELINE_STAGES = 2
+# L2 prefetch of the next page (_prefetches, Launch.prefetch; NANOKV_PREFETCH=0 turns it off): at batch 1 /
+# 32k every split walks 2 pages and starts with the others, so without it the pages come in two bursts
+# with compute between (ncu, kitty: 31% of the split kernel's warp samples wait on global loads, 20% at
+# the code planes' first use). Issued once a page's keys have arrived, not at the page's top: there it
+# shared the DRAM with this page's own loads and every format got slower (kitty 19.4 -> 20.6 us). H100, session 22, us at batch 1 / 32k:
+# kitty 19.4 -> 18.3, kvarn 20.3 -> 19.5, kivi-k2v2 17.2 -> 16.8, kitty-pro 20.1 -> 19.8. It lost
+# where programs come in several waves (batch 16 / 4k, 2 pages a split: kitty +3%, kvarn +10%), for
+# 4-bit planes read a block of rows at a time (kivi-k4v4 / kvmix +7%), NF4 (+14%) and FP16 pages
+# (32 KB a head: +27%, and +71% at batch 64 where they overflow the L2).
+PREFETCH = os.environ.get("NANOKV_PREFETCH", "1") != "0"
 PIPELINE_MIN_PAGES = 3
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
 # splits (133 parts at 32k) should take one round.
@@ -954,10 +1045,21 @@ def _step(kl: Layout, vl: Layout) -> int:
     return min([32] + rows)
 
 
+def _whole_planes(kl: Layout, vl: Layout, step: int) -> bool:
+    """Whether every packed plane is one step's rows (the 2-bit RTN formats), read whole at a page's start."""
+    return all(lay.bits != 16 and not lay.nf4 and lay.rows == step for lay in (kl, vl))
+
+
 def _page_stages(kl: Layout, vl: Layout, step: int, pages_per_split: int) -> int:
     """Triton num_stages for the page loop (PIPELINE_STAGES where it pays, else 1: not pipelined)."""
-    whole_planes = all(lay.bits != 16 and not lay.nf4 and lay.rows == step for lay in (kl, vl))
-    return PIPELINE_STAGES if whole_planes and pages_per_split >= PIPELINE_MIN_PAGES else 1
+    return PIPELINE_STAGES if _whole_planes(kl, vl, step) and pages_per_split >= PIPELINE_MIN_PAGES else 1
+
+
+def _prefetches(kl: Layout, vl: Layout, step: int, pages_per_split: int, page_stages: int, few_rows: bool) -> bool:
+    """Whether the page loop prefetches the next page into the L2 (PREFETCH): in a launch of few (row,
+    kv head) pairs, whose splits start together, for loops over more than one page of whole 2-bit
+    planes that are not pipelined."""
+    return PREFETCH and few_rows and page_stages == 1 and pages_per_split > 1 and _whole_planes(kl, vl, step)
 
 
 def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int | None = None,
@@ -1017,9 +1119,12 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         raise ValueError(f"softmax_steps must be a power of 2 >= 1, got {softmax_steps}")
     swap = SWAP if launch.swap is None else launch.swap
     max_pages = page_table.shape[1]  # the longest row the table holds: what the split count was sized for
-    stages = launch.page_stages or _page_stages(
-        kl, vl, step, _split_pages(max_pages, num_splits, _least_pages(max_pages, launch.min_pages)))
+    pages_per_split = _split_pages(max_pages, num_splits, _least_pages(max_pages, launch.min_pages))
+    stages = launch.page_stages or _page_stages(kl, vl, step, pages_per_split)
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
+    few_rows = 2 * B * H * n_blocks < _sm_count(q.device)
+    prefetch = (not INTERPRETED) and (_prefetches(kl, vl, step, pages_per_split, stages, few_rows)
+                                      if launch.prefetch is None else launch.prefetch)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     elif not out.is_contiguous():
@@ -1051,7 +1156,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         ONE_PROGRAM=one, RETURN_LSE=return_lse,
         **kl.constexprs("K_"), **vl.constexprs("V_"),
         SOFTMAX_STEPS=min(softmax_steps, PAGE_TOKENS // step), **options, **pdl,
-        V_SWAP=swap and _swappable(vl, step, D), PAGE_STAGES=stages,
+        V_SWAP=swap and _swappable(vl, step, D), PAGE_STAGES=stages, PREFETCH=prefetch,
     )
     if not one:
         d_block = min(D, 32)

@@ -393,6 +393,31 @@ def test_page_loop_pipelined_where_it_pays(name, batch, pages, want, monkeypatch
     assert attention._page_stages(kl, vl, step, per) == want
 
 
+@pytest.mark.parametrize("name,batch,pages,want", [
+    ("kitty", 1, 256, True),        # 128 splits of 2 pages, 8 (row, kv head) pairs
+    ("kitty", 1, 1024, True),       # a CUDA graph's table for 128k positions: 512 splits of 2
+    ("kitty-pro", 1, 256, True),
+    ("kivi-k2v2", 1, 256, True),
+    ("kvarn", 1, 256, True),
+    ("kitty", 1, 32, False),        # a short row: one page a split, no next page
+    ("kitty", 16, 256, False),      # pipelined (and 128 pairs: their splits do not start together)
+    ("kitty", 16, 30, False),       # 2 pages a split, but 128 pairs
+    ("kivi-k4v4", 1, 256, False),   # 4-bit planes are read a block of rows at a time
+    ("nqkv", 1, 256, False),
+    ("fp16", 1, 256, False),
+])
+def test_next_page_prefetched_where_it_pays(name, batch, pages, want, monkeypatch):
+    """The L2 prefetch rule on an H100 (132 SMs) for Llama-3-8B's shape: whole 2-bit planes, splits
+    of more than one page that are not pipelined, and fewer (row, kv head) pairs than half the SMs."""
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    kl, vl = attention._layouts(get_format(name), 8, 128)
+    splits = attention.default_splits(pages, batch * 8, torch.device("cpu"))
+    step = attention._step(kl, vl)
+    per = attention._split_pages(pages, splits, attention._least_pages(pages, None))
+    stages = attention._page_stages(kl, vl, step, per)
+    assert attention._prefetches(kl, vl, step, per, stages, 2 * batch * 8 < 132) == want
+
+
 ENCODE_FORMATS = ["fp16", "kivi-k2v2", "kivi-k4v4", "kivi-k2v2:v_group=16", "kitty", "kitty-pro",
                   "kitty:score=range", "kitty:score=q-aware", "kitty-qh", "kvarn", "kvarn-k4v2", "nqkv", "nqkv:block=32", "kvmix:3v3", "kvmix:4v2"]
 
