@@ -236,18 +236,19 @@ def _levels(raw, LEVELS, BITS: tl.constexpr, SLOT: tl.constexpr, NF4: tl.constex
 def _prefetch_asm(nbytes):
     """PTX: thread 0 asks the L2 for the nbytes at $1 ($2 != 0: go), widened to whole 16-byte
     chunks as the bulk prefetch needs (the extra bytes are the neighbours' and harmless). It
-    does not wait for them; $0 is a dummy result (Triton's inline asm must have one)."""
+    does not wait for them; $0 is a dummy result (Triton's inline asm must have one), and $3 is
+    not read: as an operand it holds the prefetch back until it has been computed (_prefetch)."""
     return (
-        "{\n.reg .pred p;\n.reg .b32 tid;\n.reg .b64 a, e;\n"
+        "{\n.reg .pred p;\n.reg .b32 tid, n;\n.reg .b64 a, e;\n"
         "mov.u32 tid, %tid.x;\n"
         "setp.eq.u32 p, tid, 0;\n"
         "setp.ne.and.u32 p, $2, 0, p;\n"
-        "and.b64 a, $1, -16;\n"
+        "and.b64 a, $1, -16;\n"  # first chunk
         f"add.s64 e, $1, {nbytes + 15};\n"
-        "and.b64 e, e, -16;\n"
+        "and.b64 e, e, -16;\n"  # past the last chunk
         "sub.s64 e, e, a;\n"
-        "cvt.u32.u64 tid, e;\n"
-        "@p cp.async.bulk.prefetch.L2.global [a], tid;\n"
+        "cvt.u32.u64 n, e;\n"
+        "@p cp.async.bulk.prefetch.L2.global [a], n;\n"
         "mov.u32 $0, 0;\n}"
     )
 
