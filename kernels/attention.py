@@ -947,15 +947,16 @@ SWAP = os.environ.get("NANOKV_SWAP", "1") != "0"
 # process: batch 16 kitty 185.1 -> 173.8, kitty-pro 213.1 -> 183.4, kivi-k2v2 155.7 -> 148.4, kvarn
 # 227.8 -> 219.7; batch 64 kitty 655.6 -> 625.4, kitty-pro 756.0 -> 654.2. Launch.page_stages overrides it.
 PIPELINE_STAGES = 2
-# L2 prefetch of the next page (_prefetches, Launch.prefetch; NANOKV_PREFETCH=0 turns it off): at batch 1 /
-# 32k every split walks 2 pages and starts with the others, so without it the pages come in two bursts
-# with compute between (ncu, kitty: 31% of the split kernel's warp samples wait on global loads, 20% at
-# the code planes' first use). Issued once a page's keys have arrived, not at the page's top: there it
-# shared the DRAM with this page's own loads and every format got slower (kitty 19.4 -> 20.6 us). H100, session 22, us at batch 1 / 32k:
-# kitty 19.4 -> 18.3, kvarn 20.3 -> 19.5, kivi-k2v2 17.2 -> 16.8, kitty-pro 20.1 -> 19.8. It lost
-# where programs come in several waves (batch 16 / 4k, 2 pages a split: kitty +3%, kvarn +10%), for
-# 4-bit planes read a block of rows at a time (kivi-k4v4 / kvmix +7%), NF4 (+14%) and FP16 pages
-# (32 KB a head: +27%, and +71% at batch 64 where they overflow the L2).
+# L2 prefetch of the next page (_prefetches, Launch.prefetch; NANOKV_PREFETCH=0 turns it off): at batch
+# 1 / 32k every split walks 2 pages and starts with the others, so without it the pages come in two
+# bursts with compute between (ncu, kitty: 31% of the split kernel's warp samples wait on global loads,
+# 20% at the code planes' first use). Issued once a page's keys have arrived, not at the page's top:
+# there it shared the DRAM with this page's own loads and every format got slower (kitty 19.4 -> 20.6
+# us). H100, session 22, us at batch 1 / 32k: kitty 19.4 -> 18.3, kvarn 20.3 -> 19.5, kivi-k2v2 17.2 ->
+# 16.8, kitty-pro 20.1 -> 19.8; batch 4 / 32k kitty 63.5 -> 59. It lost where programs come in several
+# waves (batch 16 / 4k, 2 pages a split: kitty +3%, kvarn +10%), for 4-bit planes read a block of rows
+# at a time (kivi-k4v4 / kvmix +6-13%), NF4 (+14%) and FP16 pages (32 KB a head: +27%, and +71% at
+# batch 64 where they overflow the L2).
 PREFETCH = os.environ.get("NANOKV_PREFETCH", "1") != "0"
 PIPELINE_MIN_PAGES = 3
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
