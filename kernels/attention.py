@@ -481,16 +481,20 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
                      "swapped key columns are put back by the swapped unpack of 2- or 4-bit RTN codes")
     STEPS: tl.constexpr = PAGE_TOKENS // STEP  # steps per page
     # with PREFETCH, page ids are read two pages ahead, so the next page's id is at hand during this
-    # page, whose compute the next page's fields stream into the L2 under (_prefetch_page)
-    page_next = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0).to(tl.int64)
+    # page, whose compute the next page's fields stream into the L2 under (_prefetch_page); they are
+    # carried as int32 there (batch 1 and 4 / 32k 1-2.5% faster than int64), as int64 otherwise (int32 ids
+    # made the pipelined loop 1-11% slower at batch 16 / 64; H100, session 22)
+    page_next = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0)
     page_after = page_next
     if PREFETCH:
-        page_after = tl.load(PT + slot * s_pt_b + (p0 + 1) * s_pt_p, mask=p0 + 1 < p1, other=0).to(tl.int64)
+        page_after = tl.load(PT + slot * s_pt_b + (p0 + 1) * s_pt_p, mask=p0 + 1 < p1, other=0)
+    else:
+        page_next = page_next.to(tl.int64)
     for p in tl.range(p0, p1, num_stages=PAGE_STAGES):
-        page = page_next  # the next page's id is read ahead: its codes' addresses are ready at once
+        page = page_next.to(tl.int64)  # the next page's id is read ahead: its codes' addresses are ready at once
         if PREFETCH:
             page_next = page_after
-            page_after = tl.load(PT + slot * s_pt_b + (p + 2) * s_pt_p, mask=p + 2 < p1, other=0).to(tl.int64)
+            page_after = tl.load(PT + slot * s_pt_b + (p + 2) * s_pt_p, mask=p + 2 < p1, other=0)
         else:
             page_next = tl.load(PT + slot * s_pt_b + (p + 1) * s_pt_p, mask=p + 1 < p1, other=0).to(tl.int64)
         # ---- keys: fold the channel factors into q once per page --------------------------------
@@ -613,14 +617,15 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
                 # bytes do not share the DRAM with them but stream in while this page computes
                 after = tl.max(m_new, 0)
                 go = p + 1 < p1
-                _prefetch_page(page_next, h, go, after, K_CODES, K_SCALE, K_ZERO, K_MULT, H, D, PAGE_TOKENS, K_BITS,
+                page_next_id = page_next.to(tl.int64)
+                _prefetch_page(page_next_id, h, go, after, K_CODES, K_SCALE, K_ZERO, K_MULT, H, D, PAGE_TOKENS, K_BITS,
                                K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_HDIV, K_HAS_ZERO, K_MULT_KIND)
-                _prefetch_page(page_next, h, go, after, V_CODES, V_SCALE, V_ZERO, V_MULT, H, D, PAGE_TOKENS, V_BITS,
+                _prefetch_page(page_next_id, h, go, after, V_CODES, V_SCALE, V_ZERO, V_MULT, H, D, PAGE_TOKENS, V_BITS,
                                V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_HDIV, V_HAS_ZERO, V_MULT_KIND)
                 if K_N_HIGH > 0:
-                    _prefetch(K_HIGH + page_next * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH),
+                    _prefetch(K_HIGH + page_next_id * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH),
                               K_ROWS * K_N_HIGH, go, after)
-                    _prefetch(K_IDS + page_next * (H * K_N_HIGH) + h * K_N_HIGH, K_N_HIGH, go, after)
+                    _prefetch(K_IDS + page_next_id * (H * K_N_HIGH) + h * K_N_HIGH, K_N_HIGH, go, after)
             if tl.max(m_new - m_i, 0) > LAZY_MAX:  # raise the max and rescale (rare after the first pages)
                 alpha = tl.exp2(m_i - m_new)
                 acc *= alpha[None, :]
