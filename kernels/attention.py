@@ -272,8 +272,7 @@ def _prefetch_page(page, h, go, after, CODES, SCALE, ZERO, MULT, H: tl.constexpr
     _prefetch(CODES + page * (H * ROWS * D) + h * (ROWS * D), ROWS * D, go, after)
     if BITS != 16:
         if PER_TOKEN:
-            factors = SCALE + page * S_PAGE + (h // HDIV) * S_HEAD
-            _prefetch(factors, S_HEAD, go, after)
+            _prefetch(SCALE + page * S_PAGE + (h // HDIV) * S_HEAD, S_HEAD, go, after)
             if HAS_ZERO:
                 _prefetch(ZERO + page * S_PAGE + (h // HDIV) * S_HEAD, S_HEAD, go, after)
         else:
