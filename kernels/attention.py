@@ -1107,7 +1107,9 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
                                     fill_waves=not plain)
         num_splits = 0 if num_splits == 1 else num_splits  # one split: no partials, no merge
     one = num_splits == 0
-    crowded = 2 * B * H * n_blocks >= _sm_count(q.device) and not plain
+    # (row, kv head) pairs for at least half the SMs: their splits come in several waves
+    many_rows = 2 * B * H * n_blocks >= _sm_count(q.device)
+    crowded = many_rows and not plain
     tiers = 1 + (launch.recent_parts or (1 if crowded else RECENT_PARTS))
     n_parts = 1 if one else num_splits + tiers
     few_programs = B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)
@@ -1128,8 +1130,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     pages_per_split = _split_pages(max_pages, num_splits, _least_pages(max_pages, launch.min_pages))
     stages = launch.page_stages or _page_stages(kl, vl, step, pages_per_split)
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
-    few_rows = 2 * B * H * n_blocks < _sm_count(q.device)
-    prefetch = (not INTERPRETED) and (_prefetches(kl, vl, step, pages_per_split, stages, few_rows)
+    prefetch = (not INTERPRETED) and (_prefetches(kl, vl, step, pages_per_split, stages, not many_rows)
                                       if launch.prefetch is None else launch.prefetch)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
