@@ -484,7 +484,6 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
     # carried as int32 there (batch 1 and 4 / 32k 1-2.5% faster than int64), as int64 otherwise (int32 ids
     # made the pipelined loop 1-11% slower at batch 16 / 64; H100, session 22)
     page_next = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0)
-    page_after = page_next
     if PREFETCH:
         page_after = tl.load(PT + slot * s_pt_b + (p0 + 1) * s_pt_p, mask=p0 + 1 < p1, other=0)
     else:
