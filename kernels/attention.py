@@ -53,7 +53,8 @@ others 0-3% (session 21).
 Scales never touch the tile either: every format decodes as x = (level * scale + zero) * mult
 with scale/zero along one axis (channel or token) and mult along the other (quant/layout.py).
 Channel factors fold into q (keys) or into the step's output (values); token factors scale the
-logits (keys) or the softmax weights (values). Kitty's boosted channels add one more small
+logits (keys) or the softmax weights (values), each step's loaded straight into the logits' layout
+by a pure asm load (_page_token_factors). Kitty's boosted channels add one more small
 product per step: their high-bit plane against q gathered at the boosted ids (x 4 x scale).
 
 Pipelining: where every packed plane is one step's rows (the 2-bit RTN formats) and a split walks
@@ -285,36 +286,80 @@ def _prefetch_page(page, h, go, after, CODES, SCALE, ZERO, MULT, H: tl.constexpr
         _prefetch(MULT + page * (H * D) + h * D, D, go, after)
 
 
+@constexpr_function
+def _load_asm(bits):
+    """PTX: one read-only element of `bits` bits at the address $1 (_token_factor)."""
+    return f"ld.global.nc.b{bits} $0, [$1];"
+
+
 @triton.jit
 def _token_factor(PTR, page, h, t, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, S_TOK: tl.constexpr,
-                  HDIV: tl.constexpr):
+                  HDIV: tl.constexpr, ASM: tl.constexpr):
     """Float32, shaped like the token indices t: a per-token factor of kv head h (scale, zero or a
-    multiplier)."""
-    return tl.load(PTR + page * S_PAGE + (h // HDIV) * S_HEAD + t * S_TOK).to(tl.float32)
+    multiplier). ASM: loaded by a pure asm (_load_asm), which Triton places in the layout its use
+    wants, where a tl.load keeps a layout of its own."""
+    ptrs = PTR + page * S_PAGE + (h // HDIV) * S_HEAD + t * S_TOK
+    if ASM:
+        BITS: tl.constexpr = PTR.dtype.element_ty.primitive_bitwidth
+        x = tl.inline_asm_elementwise(_load_asm(BITS), "=h,l" if BITS == 16 else "=r,l", [ptrs],
+                                      dtype=PTR.dtype.element_ty, is_pure=True, pack=1)
+    else:
+        x = tl.load(ptrs)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _prefetch_l1(ptrs):
+    """Ask for the lines at ptrs to be brought into this SM's L1, without waiting for them."""
+    tl.inline_asm_elementwise("prefetch.global.L1 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _page_token_factors(PTR, page, h, ts, USED: tl.constexpr, S_PAGE: tl.constexpr, S_HEAD: tl.constexpr,
                         S_TOK: tl.constexpr, HDIV: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
-                        PAGE_TOKENS: tl.constexpr):
-    """A page's per-token factor (scale, zero or multiplier) as a float32 [steps, STEP] tile, row i
-    for step i of _pages' step loop (i = block * slots + slot), its columns in the steps' token
-    order ts, loaded at the page's start in one go (zeros, never read, unless USED). Loaded at
-    its own step, a factor held that step up: it reaches the logits' layout through shared
-    memory, and the store waited on the load (ncu, kitty batch 16 / 32k)."""
-    i = tl.arange(0, PAGE_TOKENS // STEP)
-    t = (i % (PAGE_TOKENS // ROWS) * ROWS + i // (PAGE_TOKENS // ROWS) * STEP)[:, None] + ts[None, :]
-    factors = tl.zeros([PAGE_TOKENS // STEP, STEP], tl.float32)
-    if USED:
-        factors = _token_factor(PTR, page, h, t, S_PAGE, S_HEAD, S_TOK, HDIV)
+                        PAGE_TOKENS: tl.constexpr, DIRECT: tl.constexpr, ASM: tl.constexpr):
+    """A page's per-token factor (scale, zero or multiplier) for each step i of _pages' step loop
+    (i = block * slots + slot), in the steps' token order ts (zeros, never read, unless USED);
+    _step_factor(factors, i) is step i's float32 [STEP] vector. Two ways to get there:
+    - DIRECT: a tuple of the steps' vectors, each loaded (ASM: by a pure asm, _token_factor) in the layout
+      of the logits it scales, 4 times the registers of a compact tile (each row is held by the 4
+      threads that hold its logits); the page's factor is asked into the L1 at the page's start, so
+      that the loads, which ptxas moves down to their use, find it there;
+    - otherwise one float32 [steps, STEP] tile loaded at the page's start, whose step rows reach the
+      logits' layout through shared memory (a select, a sum over the steps and a round trip a step).
+    The direct loads take 6-9% of the instructions out of kitty's, kivi-k2v2's and kitty-pro's page
+    loops (offline sm_90 SASS), and kitty-pro's spills (stack 56 -> 0 bytes at batch 16). bench.py
+    kernels, us at 32k (H100, session 24): kitty batch 16 171.6 -> 161.9, batch 64 609.6 -> 585.4;
+    kitty-pro 181.9 -> 172.0 and 649.5 -> 621.1, batch 1 19.3 -> 18.5; nqkv batch 1 29.9 -> 27.6.
+    Without the L1 request they were slower at batch 1 (kivi-k2v2 16.6 -> 17.8, kvarn 19.1 -> 20.7)."""
+    if DIRECT:
+        factors = ()
+        if USED and ASM:
+            _prefetch_l1(PTR + page * S_PAGE + (h // HDIV) * S_HEAD + tl.arange(0, PAGE_TOKENS) * S_TOK)
+        for i in tl.static_range(PAGE_TOKENS // STEP):
+            f = tl.zeros([STEP], tl.float32)
+            if USED:
+                f = _token_factor(PTR, page, h, _step_token(i, PAGE_TOKENS // ROWS, ROWS, STEP) + ts, S_PAGE,
+                                  S_HEAD, S_TOK, HDIV, ASM)
+            factors = factors + (f,)
+    else:
+        i = tl.arange(0, PAGE_TOKENS // STEP)
+        t = (i % (PAGE_TOKENS // ROWS) * ROWS + i // (PAGE_TOKENS // ROWS) * STEP)[:, None] + ts[None, :]
+        factors = tl.zeros([PAGE_TOKENS // STEP, STEP], tl.float32)
+        if USED:
+            factors = _token_factor(PTR, page, h, t, S_PAGE, S_HEAD, S_TOK, HDIV, False)
     return factors
 
 
 @triton.jit
-def _step_row(tile, i: tl.constexpr):
-    """Row i of a [steps, STEP] tile: a select and a sum over the steps (no memory access)."""
-    rows = tl.arange(0, tile.shape[0])
-    return tl.sum(tl.where(rows[:, None] == i, tile, 0.0), 0)
+def _step_factor(factors, i: tl.constexpr, DIRECT: tl.constexpr):
+    """Step i's float32 [STEP] vector of a page's factors (_page_token_factors)."""
+    if DIRECT:
+        f = factors[i]
+    else:  # row i of the tile: a select and a sum over the steps (no memory access)
+        rows = tl.arange(0, factors.shape[0])
+        f = tl.sum(tl.where(rows[:, None] == i, factors, 0.0), 0)
+    return f
 
 
 @triton.jit
@@ -470,6 +515,11 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
     # value factors that live outside the [D, N] accumulator's running sum: per-channel scales
     # (or KVarN's per-channel multiplier) differ from page to page, so those steps keep their product apart
     V_APART: tl.constexpr = (not V_PER_TOKEN and V_BITS != 16) or V_MULT_KIND == 2
+    # per-token factors loaded straight into the logits' layout (_page_token_factors), except in a
+    # pipelined loop whose value products are kept apart (KVarN at batch 16 and 64), where the
+    # compact tile was faster: kvarn batch 64 / 32k 630 against 655 us, batch 16 191 against 195
+    # (H100, session 24)
+    FACTORS_DIRECT: tl.constexpr = not (PAGE_STAGES > 1 and V_APART)
     K_CM: tl.constexpr = K_ROWS if K_CHANNEL_MAJOR else 0  # (_rows)
     V_CM: tl.constexpr = V_ROWS if V_CHANNEL_MAJOR else 0
     SLOTS: tl.constexpr = PAGE_TOKENS // ROWS  # steps per block of rows
@@ -543,17 +593,17 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
         K_TOKEN_SCALED: tl.constexpr = K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16)
         V_TOKEN_SCALED: tl.constexpr = V_PER_TOKEN and (V_GROUP >= D) and (V_BITS != 16)
         k_scales = _page_token_factors(K_SCALE, page, h, ts, K_TOKEN_SCALED, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV,
-                                       ROWS, STEP, PAGE_TOKENS)
+                                       ROWS, STEP, PAGE_TOKENS, FACTORS_DIRECT, ASM)
         k_zeros = _page_token_factors(K_ZERO, page, h, ts, K_TOKEN_SCALED and K_HAS_ZERO, K_S_PAGE, K_S_HEAD,
-                                      K_S_TOK, K_HDIV, ROWS, STEP, PAGE_TOKENS)
+                                      K_S_TOK, K_HDIV, ROWS, STEP, PAGE_TOKENS, FACTORS_DIRECT, ASM)
         k_mults = _page_token_factors(K_MULT, page, h, ts, K_MULT_KIND == 1, H * PAGE_TOKENS, PAGE_TOKENS, 1, 1,
-                                      ROWS, STEP, PAGE_TOKENS)
+                                      ROWS, STEP, PAGE_TOKENS, FACTORS_DIRECT, ASM)
         v_scales = _page_token_factors(V_SCALE, page, h, ts, V_TOKEN_SCALED, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV,
-                                       ROWS, STEP, PAGE_TOKENS)
+                                       ROWS, STEP, PAGE_TOKENS, FACTORS_DIRECT, ASM)
         v_zeros = _page_token_factors(V_ZERO, page, h, ts, V_PER_TOKEN and V_HAS_ZERO and (V_BITS != 16), V_S_PAGE,
-                                      V_S_HEAD, V_S_TOK, V_HDIV, ROWS, STEP, PAGE_TOKENS)
+                                      V_S_HEAD, V_S_TOK, V_HDIV, ROWS, STEP, PAGE_TOKENS, FACTORS_DIRECT, ASM)
         v_mults = _page_token_factors(V_MULT, page, h, ts, V_MULT_KIND == 1, H * PAGE_TOKENS, PAGE_TOKENS, 1, 1,
-                                      ROWS, STEP, PAGE_TOKENS)
+                                      ROWS, STEP, PAGE_TOKENS, FACTORS_DIRECT, ASM)
         # Steps come in groups of SOFTMAX_STEPS: the group's logits first, then one update of the
         # running max (and, rarely, one rescale) for all of them, then their values. One reduction
         # and one branch per group, and the group's products do not wait on each other's softmax.
@@ -592,9 +642,9 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
                 if K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16):
                     if k_off != 0.0:
                         s -= k_off * q_sum[None, :]
-                    s *= _step_row(k_scales, i)[:, None]
+                    s *= _step_factor(k_scales, i, FACTORS_DIRECT)[:, None]
                     if K_HAS_ZERO:
-                        k_zero = _step_row(k_zeros, i)
+                        k_zero = _step_factor(k_zeros, i, FACTORS_DIRECT)
                         s += k_zero[:, None] * q_sum[None, :]
                 if K_N_HIGH > 0:  # (its offset is in k_bias)
                     tl.static_assert((not K_PER_TOKEN) and (K_BITS != 16), "boosted channels need per-channel keys")
@@ -602,7 +652,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
                                K_ROWS, False, ASM, hi_raw, (K_ROWS == STEP) or (K_ROWS == ROWS), False, 0)
                     s = tl.dot(hi.to(dt), tl.trans(q_hi), s)
                 if K_MULT_KIND == 1:
-                    s *= _step_row(k_mults, i)[:, None]
+                    s *= _step_factor(k_mults, i, FACTORS_DIRECT)[:, None]
                 if HAS_WINDOW:
                     s = tl.where(q_pos[None, :] - (pos0 + p * PAGE_TOKENS + t)[:, None] < window, s, float("-inf"))
                 logits = logits + (s,)
@@ -615,15 +665,17 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
                 # bytes do not share the DRAM with them but stream in while this page computes
                 after = tl.max(m_new, 0)
                 go = p + 1 < p1
-                page_next_id = page_next.to(tl.int64)
-                _prefetch_page(page_next_id, h, go, after, K_CODES, K_SCALE, K_ZERO, K_MULT, H, D, PAGE_TOKENS, K_BITS,
-                               K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_HDIV, K_HAS_ZERO, K_MULT_KIND)
-                _prefetch_page(page_next_id, h, go, after, V_CODES, V_SCALE, V_ZERO, V_MULT, H, D, PAGE_TOKENS, V_BITS,
-                               V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_HDIV, V_HAS_ZERO, V_MULT_KIND)
-                if K_N_HIGH > 0:
-                    _prefetch(K_HIGH + page_next_id * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH),
-                              K_ROWS * K_N_HIGH, go, after)
-                    _prefetch(K_IDS + page_next_id * (H * K_N_HIGH) + h * K_N_HIGH, K_N_HIGH, go, after)
+                if go:  # a branch, so that the last page of a split issues none of it (kitty-pro batch 1 / 32k:
+                    # 19.2-19.6 us without it, 18.3-18.6 with it, over five runs; H100, session 24)
+                    page_next_id = page_next.to(tl.int64)
+                    _prefetch_page(page_next_id, h, go, after, K_CODES, K_SCALE, K_ZERO, K_MULT, H, D, PAGE_TOKENS,
+                                   K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_HDIV, K_HAS_ZERO, K_MULT_KIND)
+                    _prefetch_page(page_next_id, h, go, after, V_CODES, V_SCALE, V_ZERO, V_MULT, H, D, PAGE_TOKENS,
+                                   V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_HDIV, V_HAS_ZERO, V_MULT_KIND)
+                    if K_N_HIGH > 0:
+                        _prefetch(K_HIGH + page_next_id * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH),
+                                  K_ROWS * K_N_HIGH, go, after)
+                        _prefetch(K_IDS + page_next_id * (H * K_N_HIGH) + h * K_N_HIGH, K_N_HIGH, go, after)
             if tl.max(m_new - m_i, 0) > LAZY_MAX:  # raise the max and rescale (rare after the first pages)
                 alpha = tl.exp2(m_i - m_new)
                 acc *= alpha[None, :]
@@ -654,20 +706,20 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
                     ww = w.to(dt)
                 else:
                     if V_PER_TOKEN and (V_BITS != 16):
-                        ww = (w * _step_row(v_scales, i)[:, None]).to(dt)
+                        ww = (w * _step_factor(v_scales, i, FACTORS_DIRECT)[:, None]).to(dt)
                     elif V_MULT_KIND == 1:
-                        ww = (w * _step_row(v_mults, i)[:, None]).to(dt)
+                        ww = (w * _step_factor(v_mults, i, FACTORS_DIRECT)[:, None]).to(dt)
                     else:
                         ww = w.to(dt)
                 if V_APART:  # per-channel factors: this step's product is scaled before it joins acc
                     off_w = v_off * tl.sum(ww.to(tl.float32), 0)
                     if V_PER_TOKEN and V_HAS_ZERO:
-                        off_w -= tl.sum(w * _step_row(v_zeros, i)[:, None], 0)
+                        off_w -= tl.sum(w * _step_factor(v_zeros, i, FACTORS_DIRECT)[:, None], 0)
                     pv = v_chan[:, None] * (tl.dot(tl.trans(v.to(dt)), ww) - off_w[None, :])
                     if (not V_PER_TOKEN) and V_HAS_ZERO:
                         w_sum = tl.sum(w, 0)
                         if V_MULT_KIND == 1:
-                            w_sum = tl.sum(w * _step_row(v_mults, i)[:, None], 0)
+                            w_sum = tl.sum(w * _step_factor(v_mults, i, FACTORS_DIRECT)[:, None], 0)
                         pv += v_zero_chan[:, None] * w_sum[None, :]
                     acc += pv
                 else:
@@ -676,7 +728,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
                         if v_off != 0.0:
                             corr_tile += v_off * ww.to(tl.float32)
                         if V_PER_TOKEN and V_HAS_ZERO and (V_BITS != 16) and (V_GROUP == D):
-                            corr_tile -= w * _step_row(v_zeros, i)[:, None]
+                            corr_tile -= w * _step_factor(v_zeros, i, FACTORS_DIRECT)[:, None]
     return m_i, tl.sum(l_tile, 0), acc, tl.sum(corr_tile, 0)
 
 
