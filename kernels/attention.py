@@ -235,15 +235,14 @@ def _levels(raw, LEVELS, BITS: tl.constexpr, SLOT: tl.constexpr, NF4: tl.constex
 
 @constexpr_function
 def _prefetch_asm(nbytes):
-    """PTX: thread 0 asks the L2 for the nbytes at $1 ($2 != 0: go), widened to whole 16-byte
-    chunks as the bulk prefetch needs (the extra bytes are the neighbours' and harmless). It
-    does not wait for them; $0 is a dummy result (Triton's inline asm must have one), and $3 is
-    not read: as an operand it holds the prefetch back until it has been computed (_prefetch)."""
+    """PTX: thread 0 asks the L2 for the nbytes at $1, widened to whole 16-byte chunks as the bulk
+    prefetch needs (the extra bytes are the neighbours' and harmless). It does not wait for them;
+    $0 is a dummy result (Triton's inline asm must have one), and $2 is not read: as an operand it
+    holds the prefetch back until it has been computed (_prefetch)."""
     return (
         "{\n.reg .pred p;\n.reg .b32 tid, n;\n.reg .b64 a, e;\n"
         "mov.u32 tid, %tid.x;\n"
         "setp.eq.u32 p, tid, 0;\n"
-        "setp.ne.and.u32 p, $2, 0, p;\n"
         "and.b64 a, $1, -16;\n"  # first chunk
         f"add.s64 e, $1, {nbytes + 15};\n"
         "and.b64 e, e, -16;\n"  # past the last chunk
@@ -255,35 +254,35 @@ def _prefetch_asm(nbytes):
 
 
 @triton.jit
-def _prefetch(ptr, n: tl.constexpr, go, after):
-    """Ask the L2 for the n elements at ptr, without waiting for them (_prefetch_asm), if go; not
-    before the float32 `after` has been computed."""
-    tl.inline_asm_elementwise(_prefetch_asm(n * (ptr.dtype.element_ty.primitive_bitwidth // 8)), "=r,l,r,r",
-                              [ptr, go.to(tl.int32), after.to(tl.int32, bitcast=True)], dtype=tl.int32,
+def _prefetch(ptr, n: tl.constexpr, after):
+    """Ask the L2 for the n elements at ptr, without waiting for them (_prefetch_asm); not before
+    the float32 `after` has been computed."""
+    tl.inline_asm_elementwise(_prefetch_asm(n * (ptr.dtype.element_ty.primitive_bitwidth // 8)), "=r,l,r",
+                              [ptr, after.to(tl.int32, bitcast=True)], dtype=tl.int32,
                               is_pure=False, pack=1)
 
 
 @triton.jit
-def _prefetch_page(page, h, go, after, CODES, SCALE, ZERO, MULT, H: tl.constexpr, D: tl.constexpr,
+def _prefetch_page(page, h, after, CODES, SCALE, ZERO, MULT, H: tl.constexpr, D: tl.constexpr,
                    PAGE_TOKENS: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, PER_TOKEN: tl.constexpr,
                    S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, HDIV: tl.constexpr, HAS_ZERO: tl.constexpr,
                    MULT_KIND: tl.constexpr):
     """Prefetch one kv head's slice of every field of a page that _pages reads (codes, scale, zero,
-    mult) into the L2, if go, after `after` (_prefetch)."""
-    _prefetch(CODES + page * (H * ROWS * D) + h * (ROWS * D), ROWS * D, go, after)
+    mult) into the L2, after `after` (_prefetch)."""
+    _prefetch(CODES + page * (H * ROWS * D) + h * (ROWS * D), ROWS * D, after)
     if BITS != 16:
         if PER_TOKEN:
-            _prefetch(SCALE + page * S_PAGE + (h // HDIV) * S_HEAD, S_HEAD, go, after)
+            _prefetch(SCALE + page * S_PAGE + (h // HDIV) * S_HEAD, S_HEAD, after)
             if HAS_ZERO:
-                _prefetch(ZERO + page * S_PAGE + (h // HDIV) * S_HEAD, S_HEAD, go, after)
+                _prefetch(ZERO + page * S_PAGE + (h // HDIV) * S_HEAD, S_HEAD, after)
         else:
-            _prefetch(SCALE + page * S_PAGE + h * S_HEAD, D, go, after)
+            _prefetch(SCALE + page * S_PAGE + h * S_HEAD, D, after)
             if HAS_ZERO:
-                _prefetch(ZERO + page * S_PAGE + h * S_HEAD, D, go, after)
+                _prefetch(ZERO + page * S_PAGE + h * S_HEAD, D, after)
     if MULT_KIND == 1:
-        _prefetch(MULT + page * (H * PAGE_TOKENS) + h * PAGE_TOKENS, PAGE_TOKENS, go, after)
+        _prefetch(MULT + page * (H * PAGE_TOKENS) + h * PAGE_TOKENS, PAGE_TOKENS, after)
     if MULT_KIND == 2:
-        _prefetch(MULT + page * (H * D) + h * D, D, go, after)
+        _prefetch(MULT + page * (H * D) + h * D, D, after)
 
 
 @constexpr_function
@@ -664,18 +663,17 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
                 # after this page's keys have arrived (the asm waits on `after`), so that the next page's
                 # bytes do not share the DRAM with them but stream in while this page computes
                 after = tl.max(m_new, 0)
-                go = p + 1 < p1
-                if go:  # a branch, so that the last page of a split issues none of it (kitty-pro batch 1 / 32k:
+                if p + 1 < p1:  # a branch, so that the last page of a split issues none of it (kitty-pro batch 1 / 32k:
                     # 19.2-19.6 us without it, 18.3-18.6 with it, over five runs; H100, session 24)
                     page_next_id = page_next.to(tl.int64)
-                    _prefetch_page(page_next_id, h, go, after, K_CODES, K_SCALE, K_ZERO, K_MULT, H, D, PAGE_TOKENS,
+                    _prefetch_page(page_next_id, h, after, K_CODES, K_SCALE, K_ZERO, K_MULT, H, D, PAGE_TOKENS,
                                    K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_HDIV, K_HAS_ZERO, K_MULT_KIND)
-                    _prefetch_page(page_next_id, h, go, after, V_CODES, V_SCALE, V_ZERO, V_MULT, H, D, PAGE_TOKENS,
+                    _prefetch_page(page_next_id, h, after, V_CODES, V_SCALE, V_ZERO, V_MULT, H, D, PAGE_TOKENS,
                                    V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_HDIV, V_HAS_ZERO, V_MULT_KIND)
                     if K_N_HIGH > 0:
                         _prefetch(K_HIGH + page_next_id * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH),
-                                  K_ROWS * K_N_HIGH, go, after)
-                        _prefetch(K_IDS + page_next_id * (H * K_N_HIGH) + h * K_N_HIGH, K_N_HIGH, go, after)
+                                  K_ROWS * K_N_HIGH, after)
+                        _prefetch(K_IDS + page_next_id * (H * K_N_HIGH) + h * K_N_HIGH, K_N_HIGH, after)
             if tl.max(m_new - m_i, 0) > LAZY_MAX:  # raise the max and rescale (rare after the first pages)
                 alpha = tl.exp2(m_i - m_new)
                 acc *= alpha[None, :]
