@@ -909,7 +909,9 @@ class Launch:
     computed before one update of the running max (a power of 2, capped at a page's steps;
     default SOFTMAX_STEPS). swap: unpack the values' codes swapped where _swappable allows
     (default SWAP). page_stages: Triton num_stages of the page loop alone, 1 = not pipelined
-    (default _page_stages). prefetch: prefetch the next page into the L2 (default _prefetches)."""
+    (default _page_stages). prefetch: prefetch the next page into the L2 (default _prefetches).
+    gluon: run the split kernel in Gluon (kernels/gluon_attention.py) where it applies (default
+    _gluon_split's rule)."""
 
     num_splits: int | None = None
     programs_per_sm: int | None = None
@@ -926,6 +928,7 @@ class Launch:
     swap: bool | None = None
     page_stages: int | None = None
     prefetch: bool | None = None
+    gluon: bool | None = None
 
 
 def _scratch(shape: tuple[int, ...], device: torch.device) -> Tensor:
@@ -1019,6 +1022,14 @@ MERGE_CHUNK = 256
 # the step gained 4-5% with it (Llama-3-8B shape, H100), while at batch 16 kitty's step lost 2-4%
 # with it on the attention and was level with it off (docs/benchmarks.md, session 11).
 PDL_MAX_BATCH = 4
+# The Gluon split kernel (kernels/gluon_attention.py) by default for launches of up to this many (row, kv
+# head) pairs whose splits walk 2 pages or more, and Kitty's 16 boosted channels or none. Llama-3-8B shape,
+# H100, session 26, us, Gluon / Triton in one process: batch 1 / 32k kitty 17.1-17.2 / 17.7 (3.06-3.08x
+# FP16), kitty-pro 18.3 / 18.4, kivi-k2v2 16.3 / 16.35; batch 1 / 4k (one page a split) kitty 9.55 / 9.5,
+# kitty-pro 10.1-10.3 / 9.9-10.0, kivi-k2v2 9.25 / 9.3-9.55. With the tiers empty it was 6-9% faster at
+# 32k, so the FP16 tiers' programs (_dense_tier) set most of the rest. Batch 4 / 32k (pages only) was
+# mixed: kitty 53.0 / 55.6, kivi-k2v2 48.9 / 48.3.
+GLUON_MAX_PAIRS = 8
 # Query rows per program at least 4: Llama-3's 4 query heads a kv head then fill the accumulator
 # and probability tiles, where 8 kept half of them (registers and softmax work) for padding rows;
 # tl.dot pads the MMA's N to 8 itself. Faster than 8 in every quantized cell of the kernel table,
@@ -1117,6 +1128,23 @@ def _prefetches(kl: Layout, vl: Layout, step: int, pages_per_split: int, page_st
     return PREFETCH and few_rows and page_stages == 1 and pages_per_split > 1 and _whole_planes(kl, vl, step)
 
 
+def _gluon_split(kl: Layout, vl: Layout, k_pages: dict[str, Tensor], q: Tensor, head_dim: int, rows: int,
+                 pairs: int, pages_per_split: int, windowed: bool, one_block_split: bool, wanted: bool | None) -> bool:
+    """Whether the split kernel runs in Gluon: compiled on a Hopper GPU, for the pages it covers (2-bit
+    RTN keys per channel in 32 rows, swapped columns, fp16 factors, up to 32 boosted channels; 2-bit
+    values per token, channel-major), D 128, up to 8 q rows a kv head, no window, a split launch of one block of rows;
+    by default (wanted None) only where it measured faster (GLUON_MAX_PAIRS)."""
+    keys = (kl.bits == 2 and kl.rows == 32 and not kl.per_token and kl.columns_swapped and kl.has_zero
+            and not (kl.nf4 or kl.mult_kind or kl.rotate or kl.channel_major) and kl.n_high in (0, 16, 32)
+            and all(k_pages[kl.fields[i]].dtype == torch.float16 for i in (1, 2)))
+    values = (vl.bits == 2 and vl.rows == 32 and vl.per_token and vl.group == head_dim and vl.has_zero
+              and vl.channel_major and not (vl.nf4 or vl.mult_kind or vl.rotate or vl.n_high))
+    supported = (not INTERPRETED and q.is_cuda and q.dtype == torch.float16 and keys and values and head_dim == 128
+                 and rows <= 8 and not windowed and one_block_split and torch.cuda.get_device_capability(q.device)[0] >= 9)
+    faster = pairs <= GLUON_MAX_PAIRS and pages_per_split >= MIN_PAGES_PER_SPLIT and kl.n_high <= 16
+    return supported and (faster if wanted is None else wanted)
+
+
 def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int | None = None,
                      return_lse: bool = False, out: Tensor | None = None,
                      launch: Launch = Launch()) -> Tensor | tuple[Tensor, Tensor]:
@@ -1193,27 +1221,35 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     if launch.maxnreg:
         options["maxnreg"] = launch.maxnreg
     pdl = kernel_options(q.device, B <= PDL_MAX_BATCH if launch.pdl is None else launch.pdl)
-    _split_kernel[(B * H, n_parts, n_blocks)](
-        q4, nf4_levels(q.device), n_pages if slots is None else slots,  # (SLOTS unread without slots)
-        page_table, n_pages, sink_k, sink_v, n_sink,
-        recent_k, recent_v, n_recent, o_part, lse_part, out, lse,
-        **kl.pointers(k_pages, "K_"), **vl.pointers(v_pages, "V_"),
-        qk_scale=scale * LOG2E, num_splits=num_splits, M=M, n_queries=Tq,
-        q_pos_offset=-1 if single else 0, window=window or 0,
-        s_pt_b=page_table.stride(0), s_pt_p=page_table.stride(1),
-        s_sink_b=sink_k.stride(0), s_sink_h=sink_k.stride(1), s_sink_t=sink_k.stride(2),
-        s_rec_b=recent_k.stride(0), s_rec_h=recent_k.stride(1), s_rec_t=recent_k.stride(2),
-        H=H, D=D, BLOCK_N=block_n, PAGE_TOKENS=PAGE_TOKENS, STEP=step, BLOCK_ROWS=_block_rows(kl, vl, step),
-        MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, DENSE_STEP=32, TIERS=tiers,
-        # Kitty's boosted plane, padded to whole MMA steps: rows of 32 bytes at least when pipelined, since Triton
-        # copies 16-byte rows through registers instead (kitty batch 16 / 32k: 193 us with 16, 173 with 32)
-        LOG2_D=D.bit_length() - 1, NB_PAD=max(32 if stages > 1 else 16, triton.next_power_of_2(kl.n_high)),
-        HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None, ASM=not INTERPRETED if asm is None else asm,
-        ONE_PROGRAM=one, RETURN_LSE=return_lse,
-        **kl.constexprs("K_"), **vl.constexprs("V_"),
-        SOFTMAX_STEPS=min(softmax_steps, PAGE_TOKENS // step), **options, **pdl,
-        V_SWAP=swap and _swappable(vl, step, D), PAGE_STAGES=stages, PREFETCH=prefetch,
-    )
+    if _gluon_split(kl, vl, k_pages, q, D, M, B * H, pages_per_split, window is not None, not one and n_blocks == 1,
+                    launch.gluon):
+        from . import gluon_attention  # (imported here: Gluon's API differs between Triton versions, and CPUs never need it)
+
+        gluon_attention.launch(q4, kl, vl, k_pages, v_pages, page_table, n_pages, slots, (sink_k, sink_v, n_sink),
+                               (recent_k, recent_v, n_recent), o_part, lse_part, scale * LOG2E, num_splits, n_parts,
+                               min_pages, SHORT_ROW_PAGES, pdl)
+    else:
+        _split_kernel[(B * H, n_parts, n_blocks)](
+            q4, nf4_levels(q.device), n_pages if slots is None else slots,  # (SLOTS unread without slots)
+            page_table, n_pages, sink_k, sink_v, n_sink,
+            recent_k, recent_v, n_recent, o_part, lse_part, out, lse,
+            **kl.pointers(k_pages, "K_"), **vl.pointers(v_pages, "V_"),
+            qk_scale=scale * LOG2E, num_splits=num_splits, M=M, n_queries=Tq,
+            q_pos_offset=-1 if single else 0, window=window or 0,
+            s_pt_b=page_table.stride(0), s_pt_p=page_table.stride(1),
+            s_sink_b=sink_k.stride(0), s_sink_h=sink_k.stride(1), s_sink_t=sink_k.stride(2),
+            s_rec_b=recent_k.stride(0), s_rec_h=recent_k.stride(1), s_rec_t=recent_k.stride(2),
+            H=H, D=D, BLOCK_N=block_n, PAGE_TOKENS=PAGE_TOKENS, STEP=step, BLOCK_ROWS=_block_rows(kl, vl, step),
+            MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, DENSE_STEP=32, TIERS=tiers,
+            # Kitty's boosted plane, padded to whole MMA steps: rows of 32 bytes at least when pipelined, since Triton
+            # copies 16-byte rows through registers instead (kitty batch 16 / 32k: 193 us with 16, 173 with 32)
+            LOG2_D=D.bit_length() - 1, NB_PAD=max(32 if stages > 1 else 16, triton.next_power_of_2(kl.n_high)),
+            HAS_SLOTS=slots is not None, HAS_WINDOW=window is not None, ASM=not INTERPRETED if asm is None else asm,
+            ONE_PROGRAM=one, RETURN_LSE=return_lse,
+            **kl.constexprs("K_"), **vl.constexprs("V_"),
+            SOFTMAX_STEPS=min(softmax_steps, PAGE_TOKENS // step), **options, **pdl,
+            V_SWAP=swap and _swappable(vl, step, D), PAGE_STAGES=stages, PREFETCH=prefetch,
+        )
     if not one:
         d_block = min(D, 32)
         chunk = min(MERGE_CHUNK, triton.next_power_of_2(n_parts))

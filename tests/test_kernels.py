@@ -207,6 +207,48 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
     assert err < TOL, f"{name}: relative error {err:.2e}"
 
 
+# (format, gqa group, queries per row, rows, splits, extras) for the Gluon split kernel: Kitty's 16
+# and kitty-pro's 32 boosted channels and none, 1 to 8 q rows a kv head, rows in slots, the lse,
+# more splits than a row has pages, and a row longer than 32 pages (two pages a split)
+GLUON_CASES = [
+    ("kitty", 4, 1, "mixed", 3, "slots,lse"),
+    ("kitty-pro", 8, 1, "long", 2, ""),
+    ("kivi-k2v2", 1, 1, "mixed", 7, "slots"),
+    ("kitty", 4, 2, "long", 4, "lse"),
+    ("kitty", 4, 1, ([SINK], [45], [100]), 16, ""),
+]
+
+
+@pytest.mark.skipif(not CUDA, reason="the Gluon split kernel runs compiled only (no interpreter)")
+@pytest.mark.parametrize("name,group,queries,rows,splits,extras", GLUON_CASES)
+def test_gluon_split_matches_reference(name, group, queries, rows, splits, extras, monkeypatch):
+    """kernels/gluon_attention.py against the torch reference, through decode_attention asked for it
+    (which must run it: its launches are counted), every partial buffer poisoned with NaN."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the Gluon split kernel is used on compute capability 9.0+ only")
+    from kernels import gluon_attention
+
+    gen = torch.Generator().manual_seed(zlib.crc32((name + extras + str(splits)).encode()))
+    opts = set(extras.split(","))
+    n_sink, n_pages, n_recent = ROWS[rows] if isinstance(rows, str) else rows
+    c = make_cache(get_format(name), 2, 128, n_sink, n_pages, n_recent, gen, slots="slots" in opts)
+    shape = (len(n_sink), 2 * group) + ((queries,) if queries > 1 else ()) + (128,)
+    q = torch.randn(shape, generator=gen).to(DEVICE, DTYPE)
+    want = call(reference.decode_attention, q, c, 128**-0.5, return_lse="lse" in opts)
+    monkeypatch.setattr(attention, "_scratch", lambda shape, device: torch.full(shape, float("nan"), device=device))
+    launches = []
+    monkeypatch.setattr(gluon_attention, "launch", lambda *a, _run=gluon_attention.launch: (launches.append(1), _run(*a)))
+    got = call(attention.decode_attention, q, c, 128**-0.5, return_lse="lse" in opts,
+               launch=attention.Launch(num_splits=splits, gluon=True))
+    assert launches, "decode_attention did not run the Gluon split kernel"
+    if "lse" in opts:
+        (got, lse), (want, want_lse) = got, want
+        torch.testing.assert_close(lse, want_lse, rtol=TOL, atol=TOL)
+    want = want.float()
+    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+    assert err < TOL, f"{name}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("name", ["kitty", "kvarn-k4v2", "kvmix:3v2", "nqkv"])
 def test_tile_options_do_not_change_the_result(name: str):
     """16-token steps (planes read in blocks of rows), 32- and 4-row query blocks (4: two blocks of a
