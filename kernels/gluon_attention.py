@@ -36,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .attention import LAZY_MAX, _slot_asm
+from .unpack import LAZY_MAX, _slot_asm
 
 D = gl.constexpr(128)
 ROWS = gl.constexpr(32)  # code rows of a 2-bit plane, and tokens a step
@@ -140,7 +140,7 @@ def _twice(x):
 
 @gluon.jit
 def _unpack(raw, SLOT: gl.constexpr):
-    """offset + code of slot SLOT of the bytes, fp16, swapped (attention._slot_asm)."""
+    """offset + code of slot SLOT of the bytes, fp16, swapped (unpack._slot_asm)."""
     return gl.inline_asm_elementwise(_slot_asm(2, SLOT, True), "=r,=r,r", [raw], dtype=gl.float16, is_pure=True,
                                      pack=4)
 
