@@ -923,6 +923,12 @@ def nf4_levels(device: torch.device) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    """Compute capability 9.0 or newer (cached: decode_attention asks once a layer and step when eager)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
@@ -1115,7 +1121,7 @@ def _gluon_split(kl: Layout, vl: Layout, k_pages: dict[str, Tensor], q: Tensor, 
     values = (vl.bits == 2 and vl.rows == 32 and vl.per_token and vl.group == head_dim and vl.has_zero
               and vl.channel_major and not (vl.nf4 or vl.mult_kind or vl.rotate or vl.n_high))
     supported = (not INTERPRETED and q.is_cuda and q.dtype == torch.float16 and keys and values and head_dim == 128
-                 and rows <= 8 and not windowed and one_block_split and torch.cuda.get_device_capability(q.device)[0] >= 9)
+                 and rows <= 8 and not windowed and one_block_split and _hopper(q.device))
     faster = pairs <= GLUON_MAX_PAIRS and pages_per_split >= MIN_PAGES_PER_SPLIT and kl.n_high <= 16
     return supported and (faster if wanted is None else wanted)
 

@@ -26,7 +26,7 @@ every key product. Gluon states the layouts, so nothing here touches shared memo
   sum_d qf[d] is an all-ones A against q's operand, sum_d q[d] zero[d] is the zero row against
   q; each comes out broadcast over 16 rows, already in the logits' layout.
 The FP16 sink and recent tiers are small MMAs on the same layouts (_dense_tier).
-Offline (scripts/sass.py's method): 1514 instructions a kitty page against _split_kernel's 1912.
+Offline (scripts/sass.py's method): 1528 instructions a kitty page against _split_kernel's 1912.
 """
 
 from __future__ import annotations
@@ -146,19 +146,20 @@ def _unpack(raw, SLOT: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_tile, acc):
-    """Raise the running max m_i [N] by the logits s [T, N] (lazily, as attention._softmax_step)."""
+def _softmax(s, m_i, l_tile, corr_tile, acc):
+    """Raise the running max m_i [N] by the logits s [T, N], rescaling the sums, lazily (as attention._pages)."""
     m_new = gl.maximum(m_i, gl.max(s, 0))
     if gl.max(m_new - m_i, 0) > LAZY_MAX:
         alpha = gl.expand_dims(gl.exp2(m_i - m_new), 0)
         acc *= alpha
         l_tile *= alpha
+        corr_tile *= alpha
         m_i = m_new
-    return m_i, l_tile, acc
+    return m_i, l_tile, corr_tile, acc
 
 
 @gluon.jit
-def _dense_tier(q_b, K, V, s_t, n, m_i, l_tile, acc):
+def _dense_tier(q_b, K, V, s_t, n, m_i, l_tile, corr_tile, acc):
     """FP16 tokens [0, n) at K / V (token stride s_t). Values load as tokens in order, so logits row
     m reads the token of its weight's position (_weights_position); the accumulator's row m holds
     channel 16 (m % 8) + m // 8, so that a thread's 16 channels of a token are contiguous."""
@@ -171,12 +172,12 @@ def _dense_tier(q_b, K, V, s_t, n, m_i, l_tile, acc):
         vals = gl.load(V + (t0 + tv) * s_t + gv * 16 + cv, mask=t0 + tv < n, other=0.0)
         s = mma_v2(_key_operand(keys), q_b, gl.zeros([32, 8], gl.float32, layout=MMA))
         s = gl.where(gl.expand_dims(t0 + _weights_position(m_rows) < n, 1), s, float("-inf"))
-        m_i, l_tile, acc = _softmax(s, m_i, l_tile, acc)
+        m_i, l_tile, corr_tile, acc = _softmax(s, m_i, l_tile, corr_tile, acc)
         w = gl.exp2(s - gl.expand_dims(m_i, 0))
         l_tile += w
         v_a = gl.convert_layout(gl.reshape(gl.permute(vals, [2, 1, 0]), [128, 32]), OPA)
         acc = mma_v2(v_a, _weights_operand(w.to(gl.float16)), acc)
-    return m_i, l_tile, acc
+    return m_i, l_tile, corr_tile, acc
 
 
 @gluon.jit
@@ -229,13 +230,7 @@ def _pages(q, q_b, PT, pt_row, p0, p1, bh, h, qk_scale, K_CODES, K_SCALE, K_ZERO
                 s = mma_v2(_unpack(hi_raw, i), q_hi, s)
             logits = logits + (s,)
         s_max = gl.maximum(gl.maximum(logits[0], logits[1]), gl.maximum(logits[2], logits[3]))
-        m_new = gl.maximum(m_i, gl.max(s_max, 0))
-        if gl.max(m_new - m_i, 0) > LAZY_MAX:
-            alpha = gl.expand_dims(gl.exp2(m_i - m_new), 0)
-            acc *= alpha
-            l_tile *= alpha
-            corr_tile *= alpha
-            m_i = m_new
+        m_i, l_tile, corr_tile, acc = _softmax(s_max, m_i, l_tile, corr_tile, acc)
         for i in gl.static_range(4):
             w = gl.exp2(logits[i] - gl.expand_dims(m_i, 0))
             l_tile += w
@@ -282,21 +277,22 @@ def gluon_split_kernel(Q, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V
         if part < TIERS:
             m_i = gl.full([8], -1e30, gl.float32, COLS)
             l_tile = gl.zeros([32, 8], gl.float32, layout=MMA)
+            corr_tile = gl.zeros([32, 8], gl.float32, layout=MMA)  # (FP16 tokens carry no offsets: stays 0)
             acc = gl.zeros([128, 8], gl.float32, layout=MMA)
             if part == 0:
                 n_sink = gl.load(NSINK + b)
-                m_i, l_tile, acc = _dense_tier(q_b, SINK_K + slot * s_sink_b + h * s_sink_h,
-                                               SINK_V + slot * s_sink_b + h * s_sink_h, s_sink_t, n_sink, m_i,
-                                               l_tile, acc)
+                m_i, l_tile, corr_tile, acc = _dense_tier(q_b, SINK_K + slot * s_sink_b + h * s_sink_h,
+                                                          SINK_V + slot * s_sink_b + h * s_sink_h, s_sink_t, n_sink,
+                                                          m_i, l_tile, corr_tile, acc)
             else:
                 n_rec = gl.load(NREC + b)
                 chunk = gl.cdiv(gl.cdiv(n_rec, TIERS - 1), 32) * 32
                 r0 = (part - 1) * chunk
-                m_i, l_tile, acc = _dense_tier(q_b, REC_K + slot * s_rec_b + h * s_rec_h + r0 * s_rec_t,
-                                               REC_V + slot * s_rec_b + h * s_rec_h + r0 * s_rec_t, s_rec_t,
-                                               gl.minimum(n_rec - r0, chunk), m_i, l_tile, acc)
+                m_i, l_tile, corr_tile, acc = _dense_tier(q_b, REC_K + slot * s_rec_b + h * s_rec_h + r0 * s_rec_t,
+                                                          REC_V + slot * s_rec_b + h * s_rec_h + r0 * s_rec_t, s_rec_t,
+                                                          gl.minimum(n_rec - r0, chunk), m_i, l_tile, corr_tile, acc)
             l_i = gl.sum(l_tile, 0)
-            corr = gl.zeros([8], gl.float32, COLS)
+            corr = gl.sum(corr_tile, 0)
             channel = 16 * (m_rows % 8) + m_rows // 8
         else:
             p0 = split * per
