@@ -1004,13 +1004,21 @@ MERGE_CHUNK = 256
 # with it on the attention and was level with it off (docs/benchmarks.md, session 11).
 PDL_MAX_BATCH = 4
 # The Gluon split kernel (kernels/gluon_attention.py) by default for launches of up to this many (row, kv
-# head) pairs whose splits walk 2 pages or more, and Kitty's 16 boosted channels or none. Llama-3-8B shape,
-# H100, session 26, us, Gluon / Triton in one process: batch 1 / 32k kitty 17.1-17.2 / 17.7 (3.06-3.08x
-# FP16), kitty-pro 18.3 / 18.4, kivi-k2v2 16.3 / 16.35; batch 1 / 4k (one page a split) kitty 9.55 / 9.5,
-# kitty-pro 10.1-10.3 / 9.9-10.0, kivi-k2v2 9.25 / 9.3-9.55. With the tiers empty it was 6-9% faster at
-# 32k, so the FP16 tiers' programs (_dense_tier) set most of the rest. Batch 4 / 32k (pages only) was
-# mixed: kitty 53.0 / 55.6, kivi-k2v2 48.9 / 48.3.
+# head) pairs whose splits walk 2 pages or more and whose programs fill at least GLUON_MIN_FILL of the
+# resident slots (RESIDENT_PER_SM an SM). There the page loop's instruction count sets the compute phases
+# between the DRAM bursts, and Gluon's loop is 20% shorter; in lighter launches the Triton kernel's L2
+# prefetch of the next page pays, and Gluon lost. Llama-3-8B shape, H100, session 27, us, Gluon / Triton,
+# two runs in one process (`bench.py kernels --variants gl,nogl`):
+# - batch 1 / 32k (8 x 132 programs): kitty 17.28-17.31 / 17.66-17.70, kitty-pro 17.55 / 18.30-18.33,
+#   kivi-k2v2 16.25-16.29 / 16.21-16.31;
+# - batch 1 / 16k (4 programs an SM): kitty 14.85-14.93 / 14.80-14.86, kitty-pro 15.19-15.39 / 15.24-15.29,
+#   kivi-k2v2 13.93-13.96 / 13.39-13.55;
+# - batch 1 / 8k: kitty 13.55 / 13.09-13.28, kivi-k2v2 12.51-12.55 / 11.65-11.77.
+# Session 26: batch 1 / 4k (one page a split) level or slower, batch 4 / 32k mixed. Between 4 and 8
+# programs an SM nothing was measured, so the fill threshold splits the difference. (default_splits gives
+# the engine's batch-1 / 32000-token launch, a 249-page table, 8 x 130 programs.)
 GLUON_MAX_PAIRS = 8
+GLUON_MIN_FILL = 0.75
 # Query rows per program at least 4: Llama-3's 4 query heads a kv head then fill the accumulator
 # and probability tiles, where 8 kept half of them (registers and softmax work) for padding rows;
 # tl.dot pads the MMA's N to 8 itself. Faster than 8 in every quantized cell of the kernel table,
@@ -1110,11 +1118,12 @@ def _prefetches(kl: Layout, vl: Layout, step: int, pages_per_split: int, page_st
 
 
 def _gluon_split(kl: Layout, vl: Layout, k_pages: dict[str, Tensor], q: Tensor, head_dim: int, rows: int,
-                 pairs: int, pages_per_split: int, windowed: bool, one_block_split: bool, wanted: bool | None) -> bool:
+                 pairs: int, pages_per_split: int, programs: int, windowed: bool, one_block_split: bool,
+                 wanted: bool | None) -> bool:
     """Whether the split kernel runs in Gluon: compiled on a Hopper GPU, for the pages it covers (2-bit
     RTN keys per channel in 32 rows, swapped columns, fp16 factors, up to 32 boosted channels; 2-bit
     values per token, channel-major), D 128, up to 8 q rows a kv head, no window, a split launch of one block of rows;
-    by default (wanted None) only where it measured faster (GLUON_MAX_PAIRS)."""
+    by default (wanted None) only where it measured faster (GLUON_MAX_PAIRS). programs: the launch's."""
     keys = (kl.bits == 2 and kl.rows == 32 and not kl.per_token and kl.columns_swapped and kl.has_zero
             and not (kl.nf4 or kl.mult_kind or kl.rotate or kl.channel_major) and kl.n_high in (0, 16, 32)
             and all(k_pages[kl.fields[i]].dtype == torch.float16 for i in (1, 2)))
@@ -1122,7 +1131,8 @@ def _gluon_split(kl: Layout, vl: Layout, k_pages: dict[str, Tensor], q: Tensor, 
               and vl.channel_major and not (vl.nf4 or vl.mult_kind or vl.rotate or vl.n_high))
     supported = (not INTERPRETED and q.is_cuda and q.dtype == torch.float16 and keys and values and head_dim == 128
                  and rows <= 8 and not windowed and one_block_split and _hopper(q.device))
-    faster = pairs <= GLUON_MAX_PAIRS and pages_per_split >= MIN_PAGES_PER_SPLIT and kl.n_high <= 16
+    faster = (pairs <= GLUON_MAX_PAIRS and pages_per_split >= MIN_PAGES_PER_SPLIT
+              and programs >= GLUON_MIN_FILL * RESIDENT_PER_SM * _sm_count(q.device))
     return supported and (faster if wanted is None else wanted)
 
 
@@ -1202,8 +1212,8 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     if launch.maxnreg:
         options["maxnreg"] = launch.maxnreg
     pdl = kernel_options(q.device, B <= PDL_MAX_BATCH if launch.pdl is None else launch.pdl)
-    if _gluon_split(kl, vl, k_pages, q, D, M, B * H, pages_per_split, window is not None, not one and n_blocks == 1,
-                    launch.gluon):
+    if _gluon_split(kl, vl, k_pages, q, D, M, B * H, pages_per_split, B * H * n_blocks * n_parts, window is not None,
+                    not one and n_blocks == 1, launch.gluon):
         from . import gluon_attention  # (imported here: Gluon's API differs between Triton versions, and CPUs never need it)
 
         gluon_attention.launch(q4, kl, vl, k_pages, v_pages, page_table, n_pages, slots, (sink_k, sink_v, n_sink),
