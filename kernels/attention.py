@@ -1003,19 +1003,21 @@ MERGE_CHUNK = 256
 # the step gained 4-5% with it (Llama-3-8B shape, H100), while at batch 16 kitty's step lost 2-4%
 # with it on the attention and was level with it off (docs/benchmarks.md, session 11).
 PDL_MAX_BATCH = 4
-# The Gluon split kernel (kernels/gluon_attention.py) by default for launches of up to this many (row, kv
-# head) pairs whose splits walk 2 pages or more and whose programs fill at least GLUON_MIN_FILL of the
-# resident slots (RESIDENT_PER_SM an SM). There the page loop's instruction count sets the compute phases
-# between the DRAM bursts, and Gluon's loop is 20% shorter; in lighter launches the Triton kernel's L2
-# prefetch of the next page pays, and Gluon lost. Llama-3-8B shape, H100, session 27, us, Gluon / Triton,
-# two runs in one process (`bench.py kernels --variants gl,nogl`):
-# - batch 1 / 32k (8 x 132 programs): kitty 17.28-17.31 / 17.66-17.70, kitty-pro 17.55 / 18.30-18.33,
-#   kivi-k2v2 16.25-16.29 / 16.21-16.31;
-# - batch 1 / 16k (4 programs an SM): kitty 14.85-14.93 / 14.80-14.86, kitty-pro 15.19-15.39 / 15.24-15.29,
-#   kivi-k2v2 13.93-13.96 / 13.39-13.55;
+# The Gluon split kernel (kernels/gluon_attention.py) by default for Kitty's pages (boosted channels) in
+# launches of up to this many (row, kv head) pairs whose splits walk 2 pages or more and whose programs fill
+# at least GLUON_MIN_FILL of the resident slots (RESIDENT_PER_SM an SM). There the page loop's instruction
+# count sets the compute phases between the DRAM bursts, and Gluon's loop is 20% shorter; in lighter
+# launches the Triton kernel's L2 prefetch of the next page pays, and Gluon lost. Llama-3-8B shape, H100,
+# us, Gluon / Triton, two runs in one process (`bench.py kernels --variants gl,nogl`):
+# - batch 1 / 32k (8 x 132 programs; session 27): kitty 17.28-17.31 / 17.66-17.70, kitty-pro 17.55 /
+#   18.30-18.33, kivi-k2v2 16.25-16.29 / 16.21-16.31;
+# - batch 1 / 20k to 28k (5.1 to 7 programs an SM; session 28): kitty level (20k: 15.48-15.57 /
+#   15.36-15.42), kitty-pro 1.5-3% faster (28k: 16.79 / 17.29-17.33), kivi-k2v2 2-4% slower (24k:
+#   15.12-15.25 / 14.51-14.66), so KIVI's pages stay on Triton;
+# - batch 1 / 16k (4 programs an SM; session 27): kitty 14.85-14.93 / 14.80-14.86, kitty-pro 15.19-15.39 /
+#   15.24-15.29, kivi-k2v2 13.93-13.96 / 13.39-13.55;
 # - batch 1 / 8k: kitty 13.55 / 13.09-13.28, kivi-k2v2 12.51-12.55 / 11.65-11.77.
-# Session 26: batch 1 / 4k (one page a split) level or slower, batch 4 / 32k mixed. Between 4 and 8
-# programs an SM nothing was measured, so the fill threshold splits the difference. (default_splits gives
+# Session 26: batch 1 / 4k (one page a split) level or slower, batch 4 / 32k mixed. (default_splits gives
 # the engine's batch-1 / 32000-token launch, a 249-page table, 8 x 130 programs.)
 GLUON_MAX_PAIRS = 8
 GLUON_MIN_FILL = 0.75
@@ -1131,7 +1133,7 @@ def _gluon_split(kl: Layout, vl: Layout, k_pages: dict[str, Tensor], q: Tensor, 
               and vl.channel_major and not (vl.nf4 or vl.mult_kind or vl.rotate or vl.n_high))
     supported = (not INTERPRETED and q.is_cuda and q.dtype == torch.float16 and keys and values and head_dim == 128
                  and rows <= 8 and not windowed and one_block_split and _hopper(q.device))
-    faster = (pairs <= GLUON_MAX_PAIRS and pages_per_split >= MIN_PAGES_PER_SPLIT
+    faster = (kl.n_high > 0 and pairs <= GLUON_MAX_PAIRS and pages_per_split >= MIN_PAGES_PER_SPLIT
               and programs >= GLUON_MIN_FILL * RESIDENT_PER_SM * _sm_count(q.device))
     return supported and (faster if wanted is None else wanted)
 
