@@ -432,8 +432,6 @@ def _softmax_step(s, m_i, l_i):
     return m_new, l_i * alpha + tl.sum(p, 0), alpha, p
 
 
-
-
 @triton.jit
 def _dense_tier(q, m_i, l_i, acc, k_base, v_base, s_t, n, first, q_pos, window, d, qk_scale, dt: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, STEP: tl.constexpr):

@@ -4,8 +4,8 @@ Same algorithm, inputs and partial outputs as kernels/attention.py's _split_kern
 reference implementation, checked on CPU under the interpreter; this one runs only compiled, and
 tests/test_kernels.py checks it on the GPU), for the case that sets batch 1's speed: Kitty and
 KIVI-2 pages (2-bit keys per channel, optional boosted plane; 2-bit values per token), D = 128,
-at most 8 query rows a kv head, no window. decode_attention picks it (gluon_split) and runs the
-same merge kernel after it.
+at most 8 query rows a kv head, no window. decode_attention runs it where attention._gluon_split
+says (by default Kitty's pages in launches that fill the GPU) and runs the same merge kernel after it.
 
 Why Gluon: at batch 1 the page loop is bound by each warp's instruction count and the latency
 between dependent instructions (docs/benchmarks.md, session 25). Triton routes the codes through
