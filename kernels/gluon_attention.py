@@ -199,6 +199,8 @@ def _pages(q, q_b, PT, pt_row, p0, p1, bh, h, qk_scale, K_CODES, K_SCALE, K_ZERO
         n_b = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, OPB)), 0)
         ones_hi = gl.full([16, N_HIGH], 1.0, gl.float16, OPA)
     page_next = gl.load(PT + pt_row + p0)
+    if N_HIGH > 0:  # Kitty's boosted channel ids, read a page ahead like the page ids: two gathers wait on them
+        ids_next = gl.load(K_IDS + (page_next.to(gl.int64) * H + h) * N_HIGH + rank).to(gl.int32)
     for p in range(p0, p1):
         page = page_next.to(gl.int64) * H + h  # (page, kv head)
         page_next = gl.load(PT + pt_row + p + 1, mask=p + 1 < p1, other=0)
@@ -213,7 +215,9 @@ def _pages(q, q_b, PT, pt_row, p0, p1, bh, h, qk_scale, K_CODES, K_SCALE, K_ZERO
         q_zero = mma_v2(zero_a, q_b, gl.zeros([16, 8], gl.float32, layout=MMA))
         q_sum = mma_v2(ones, qf_b, gl.zeros([16, 8], gl.float32, layout=MMA))
         if N_HIGH > 0:  # Kitty: + sum_r (4 q[id_r] scale[id_r]) high_r, one more small product a step
-            ids = gl.load(K_IDS + page * N_HIGH + rank).to(gl.int32)
+            ids = ids_next
+            ids_next = gl.load(K_IDS + (page_next.to(gl.int64) * H + h) * N_HIGH + rank, mask=p + 1 < p1,
+                               other=0).to(gl.int32)
             s_hi = gl.load(K_SCALE + page * D + ids).to(gl.float32) * (4.0 * qk_scale)
             q_hi = gl.load(Q + (bh * M + n_b) * D + gl.expand_dims(ids, 1), mask=n_b < M, other=0.0)
             q_hi = (q_hi.to(gl.float32) * gl.expand_dims(s_hi, 1)).to(gl.float16)
