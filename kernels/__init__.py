@@ -4,7 +4,8 @@
                              page_table, n_pages, recent_k, recent_v, n_recent, slots), scale,
                              window=None, return_lse=False, backend=None)
         -> o, or (o, lse) with return_lse                 # arguments: kernels/reference.py
-    kernels.encode_pages(codec, x, pool_fields, page_ids, backend=None)   # x [N, H, T, D] -> pages, in place
+    kernels.encode_pages(codec, x, pool_fields, page_ids, backend=None, rows=None)
+                                                         # x [N, H, T, D] (or x[rows]) -> pages, in place
     kernels.causal_attention(q, k, v, window=None)       # a forward's new tokens (after any stored ones)
     kernels.rms_norm(x, weight, eps), kernels.add_rms_norm(x, h, weight, eps) -> (x + h, its norm),
     kernels.apply_rope(x, cos, sin), kernels.silu_mul(gate, up)
@@ -87,13 +88,14 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
 
 
 def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor,
-                 backend: str | None = None, query_weight: Tensor | None = None) -> None:
+                 backend: str | None = None, query_weight: Tensor | None = None, rows: Tensor | None = None) -> None:
     """Encode tiles x [N, H, T, D] with `codec` into pool pages page_ids [N], in place.
-    query_weight [N, H, D]: the mean |q| per channel, for a codec that needs_queries."""
+    query_weight [N, H, D]: the mean |q| per channel, for a codec that needs_queries.
+    rows [N]: the tiles are x[rows] (read in place, e.g. from the cache's recent tier)."""
     if pick_backend(x.device, backend) == "torch":
-        reference.encode_pages_reference(codec, x, pool_fields, page_ids, query_weight)
+        reference.encode_pages_reference(codec, x, pool_fields, page_ids, query_weight, rows)
     else:
-        _triton_module("quantize", x.device).encode_pages(codec, x, pool_fields, page_ids, query_weight)
+        _triton_module("quantize", x.device).encode_pages(codec, x, pool_fields, page_ids, query_weight, rows)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, backend: str | None = None) -> Tensor:

@@ -110,7 +110,7 @@ def _imbalance(z, valid, T: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _encode_kernel(
-    X, PAGE_IDS, HAD, MIDS, QW, CODES, SCALE, ZERO, MULT, HIGH, IDS,
+    X, ROW_IDS, PAGE_IDS, HAD, MIDS, QW, CODES, SCALE, ZERO, MULT, HIGH, IDS,
     sx_n, sx_h, sx_t,
     H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr,
     ROWS_PAD: tl.constexpr, SINKHORN: tl.constexpr, SCORE: tl.constexpr,
@@ -128,7 +128,7 @@ def _encode_kernel(
     d = c[None, None, :]
     t = j * ROWS + i  # [S, R, 1]: slot-major, the packing order
     valid = (j < SLOTS) & (i < ROWS) & (t < T)
-    x_row = X + n.to(tl.int64) * sx_n + t * sx_t + d
+    x_row = X + tl.load(ROW_IDS + n).to(tl.int64) * sx_n + t * sx_t + d
     x = tl.load(x_row + h * sx_h, mask=valid, other=0.0).to(tl.float32)
     if BITS == 16:
         tl.store(CODES + page * (H * T * D) + h * (T * D) + t * D + d, x.to(tl.float16), mask=valid)
@@ -245,11 +245,16 @@ def _constants(device: torch.device, head_dim: int) -> tuple[Tensor, Tensor]:
 
 
 def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor,
-                 query_weight: Tensor | None = None) -> None:
+                 query_weight: Tensor | None = None, rows: Tensor | None = None) -> None:
     """Encode tiles x [N, H, T, D] (any float dtype, unit last stride) with `codec` into pool
     pages page_ids [N] (int), in place: pool_fields[name] is [num_pages, *field_shape].
-    query_weight [N, H, D]: the mean |q| per channel, for a codec that needs_queries."""
-    N, H, T, D = x.shape
+    query_weight [N, H, D]: the mean |q| per channel, for a codec that needs_queries.
+    rows [N] (int): tile n is x[rows[n]] instead, so that tiles are read where they lie (the
+    cache's recent tier) rather than gathered into a copy first."""
+    _, H, T, D = x.shape
+    N = page_ids.shape[0]
+    if rows is None and x.shape[0] != N:
+        raise ValueError(f"{x.shape[0]} tiles for {N} page ids")
     if N == 0:
         return
     if x.stride(-1) != 1 or D & (D - 1):
@@ -262,8 +267,9 @@ def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Ten
                          else query_weight.float().contiguous())
     slots = -(-T // lay.rows)
     had, mids = _constants(x.device, D)
+    rows = torch.arange(N, device=x.device) if rows is None else rows
     _encode_kernel[(N, H)](
-        x, page_ids, had, mids, query_weight if codec.needs_queries else had, **lay.pointers(pool_fields, ""),
+        x, rows, page_ids, had, mids, query_weight if codec.needs_queries else had, **lay.pointers(pool_fields, ""),
         sx_n=x.stride(0), sx_h=x.stride(1), sx_t=x.stride(2),
         H=H, D=D, T=T, SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots),
         ROWS_PAD=triton.next_power_of_2(lay.rows), SINKHORN=lay.sinkhorn_iters,

@@ -168,8 +168,11 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None)
 
 
 def encode_pages_reference(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Tensor,
-                           query_weight: Tensor | None = None) -> None:
-    """Encode N tiles x [N, H, T, D] with the torch codec and write them to pool pages page_ids [N]."""
+                           query_weight: Tensor | None = None, rows: Tensor | None = None) -> None:
+    """Encode N tiles x [N, H, T, D] (or x[rows] [N]) with the torch codec and write them to pool
+    pages page_ids [N]."""
+    if rows is not None:
+        x = x[rows.long()]
     fields = codec.encode(x, query_weight) if codec.needs_queries else codec.encode(x)
     for name, dst in pool_fields.items():
         dst[page_ids.long()] = fields[name].to(dst.dtype)

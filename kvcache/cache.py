@@ -8,8 +8,9 @@ Tokens enter at the end. When the recent tier reaches window + 128 tokens its ol
 encoded into one page (once every 128 decode steps; a window that is a share of the context,
 KVmix's, grows meanwhile, so its layers flush less often), so a page never changes after it is
 written. The sink and the recent tier of a sequence are two views of one dense buffer per
-layer, [slots, kv_heads, sink + longest window + 128, head_dim]. Pages come from a pool sized from a
-memory budget with the format's real bytes per page; page j of a sequence holds its tokens
+layer, [slots, kv_heads, sink + longest window + 128, head_dim]; all layers' share one allocation,
+as do the pages of the layers that share a codec, so that a flush is a few launches, not a few
+per layer. Pages come from a pool sized from a memory budget with the format's real bytes per page; page j of a sequence holds its tokens
 sink + 128 j .. sink + 128 j + 127 in every layer, so one page table serves all layers, even
 when layers keep windows of different lengths (KVmix).
 
@@ -74,20 +75,30 @@ class KVCache:
         # Row max_seqs of the dense buffers and the page table is a scratch slot: padding rows
         # of a CUDA-graph batch bucket write there, never into a live sequence.
         self.scratch_slot = max_seqs
-        shape = (max_seqs + 1, n_kv_heads, self.shape.dense_tokens, head_dim)
-        self.dense_k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
-        self.dense_v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
-        self.k_pages = [_alloc_fields(f.k, num_pages, n_kv_heads, head_dim, self.device) for f in self.formats]
-        self.v_pages = [_alloc_fields(f.v, num_pages, n_kv_heads, head_dim, self.device) for f in self.formats]
+        # K and V of every layer in one buffer [2, layers, slots + 1, kv_heads, tokens, head_dim], so
+        # that a flush moves the recent tier of all layers in one copy; dense_k/v[layer] are its views.
+        self._dense = torch.zeros((2, n_layers, max_seqs + 1, n_kv_heads, self.shape.dense_tokens, head_dim),
+                                  dtype=dtype, device=self.device)
+        self.dense_k, self.dense_v = list(self._dense[0]), list(self._dense[1])
+        # Pages of the layers that share a codec live in one buffer per field, [layers, pages, ...],
+        # so that a flush encodes those layers' tiles in one launch; k/v_pages[layer] are its views.
+        self.k_pages, k_groups = _alloc_layer_fields([f.k for f in self.formats], num_pages, n_kv_heads, head_dim,
+                                                     self.device)
+        self.v_pages, v_groups = _alloc_layer_fields([f.v for f in self.formats], num_pages, n_kv_heads, head_dim,
+                                                     self.device)
         # Kitty's q-aware score ranks key channels by |q| as well: per layer, a running mean |q|
         # per slot and kv-head channel (only for formats that ask for it)
-        self._query_weight = ([torch.zeros(max_seqs + 1, n_kv_heads, head_dim, device=self.device) for _ in range(n_layers)]
-                              if any(f.k.needs_queries for f in self.formats) else None)
+        self._query_weights = (torch.zeros(n_layers, max_seqs + 1, n_kv_heads, head_dim, device=self.device)
+                               if any(f.k.needs_queries for f in self.formats) else None)
+        self._query_weight = list(self._query_weights) if self._query_weights is not None else None
         self.max_pages_per_seq = self.pages_needed(max_seq_len)
         self.page_table = torch.zeros(max_seqs + 1, max(1, self.max_pages_per_seq), dtype=torch.int32, device=self.device)
         # Per-step inputs of the attention live in fixed buffers, so that a captured CUDA graph
         # replays a decode step once prepare_step has refreshed them.
         self._window_row = {w: i for i, w in enumerate(sorted(set(self.windows)))}
+        self._flush_plans = {w: _FlushPlan.of([layer for layer in range(n_layers) if self.windows[layer] == w],
+                                              {0: k_groups, 1: v_groups}, self.device)
+                             for w in self._window_row}
         self._step_slots = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self._step_counts = torch.zeros(len(self._window_row), len(StepCounts._fields), max_seqs, dtype=torch.int32,
                                         device=self.device)
@@ -272,11 +283,10 @@ class KVCache:
         """Commit the step's tokens: place them in the tiers and encode every full page."""
         step, self._step = self._step, None
         if step.n_new == 1:
-            # Which rows flush depends only on the window, so decide once per distinct window.
-            flushing = {w: self._rows_to_flush(step.slots, w) for w in self._window_row}
-            for layer in range(self.n_layers):
-                if flushing[self.windows[layer]]:
-                    self._flush_decode(layer, flushing[self.windows[layer]])
+            # Which rows flush depends only on the window: decide, and flush, once per distinct window.
+            for window, plan in self._flush_plans.items():
+                if full := self._rows_to_flush(step.slots, window):
+                    self._flush_decode(plan, full)
         else:
             for layer in range(self.n_layers):
                 self._store_block(layer, step)
@@ -294,18 +304,33 @@ class KVCache:
                 full.append((s, n_pages, window.at(L)))
         return full
 
-    def _flush_decode(self, layer: int, full: list[tuple[int, int, int]]) -> None:
-        """Encode the oldest 128 recent tokens of these rows into their next pages."""
-        S = self.sink
+    def _flush_decode(self, plan: "_FlushPlan", full: list[tuple[int, int, int]]) -> None:
+        """Encode the oldest 128 recent tokens of these rows into their next pages, in the plan's layers.
+        A flush comes once every 128 decode steps and the GPU waits for all of it: one launch per
+        layer and side cost Llama-3-8B's 32 layers 9.6 ms of host time and, for Kitty's keys (8
+        programs a launch), 1.3 ms of GPU time. So every layer that shares a codec is encoded in one
+        launch, reading its tiles in place from the dense buffer, and the shift is one copy."""
+        S, slots, pages = self.sink, self.max_seqs + 1, self.pool.num_pages
         rows = to_device([s for s, _, _ in full], self.device)
-        page_ids = [self._pages[s][n] for s, n, _ in full]
-        dk, dv = self.dense_k[layer], self.dense_v[layer]
-        self._write_pages(layer, dk[rows, :, S:S + PAGE_TOKENS], dv[rows, :, S:S + PAGE_TOKENS], page_ids, rows)
+        page_ids = to_device([self._pages[s][n] for s, n, _ in full], self.device)
+        for side, codec, fields, layers, in_group in plan.groups:
+            # tile (layer, row) is row layer * slots + row of the dense buffer seen as [layers x slots, ...]
+            # and goes to page in_group * pages + page of the group's fields seen as [layers x pages, ...]
+            tiles = self._dense[side].flatten(0, 1)[:, :, S:S + PAGE_TOKENS]
+            weights = (self._query_weights[layers[:, None], rows[None, :]].flatten(0, 1)
+                       if side == 0 and codec.needs_queries else None)
+            kernels.encode_pages(codec, tiles, fields, (in_group[:, None] * pages + page_ids[None, :]).flatten(),
+                                 backend=self.backend, query_weight=weights,
+                                 rows=(layers[:, None] * slots + rows[None, :]).flatten())
         # Shift the remaining tokens to the front of the recent tier (the most any row keeps:
         # rows that keep fewer copy a few stale tokens past their end, which nothing reads).
+        # The copy goes through a temporary, so it is cut into groups of layers of at most 64 MiB.
         R = max(left for _, _, left in full)
-        dk[rows, :, S:S + R] = dk[rows, :, S + PAGE_TOKENS:S + PAGE_TOKENS + R]
-        dv[rows, :, S:S + R] = dv[rows, :, S + PAGE_TOKENS:S + PAGE_TOKENS + R]
+        per_layer = max(1, self._dense[:, 0, 0, :, :R].numel() * self._dense.element_size() * len(full))
+        group = max(1, (64 << 20) // per_layer)
+        for g in range(0, len(plan.layers) if R else 0, group):
+            at = (slice(None), plan.layers[g:g + group, None], rows[None, :], slice(None))
+            self._dense[at + (slice(S, S + R),)] = self._dense[at + (slice(S + PAGE_TOKENS, S + PAGE_TOKENS + R),)]
 
     def _store_block(self, layer: int, step: "_Step") -> None:
         """Place T new tokens per row: fill the sink, then append to the recent tier, encoding
@@ -420,11 +445,42 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _alloc_fields(codec, num_pages: int, heads: int, head_dim: int, device) -> dict[str, torch.Tensor]:
-    return {
-        name: torch.zeros((num_pages, *shape), dtype=dtype, device=device)
-        for name, (shape, dtype) in codec.field_specs(heads, head_dim).items()
-    }
+def _alloc_layer_fields(codecs: list, num_pages: int, heads: int, head_dim: int, device
+                        ) -> tuple[list[dict[str, torch.Tensor]], list[tuple[object, list[int], dict[str, torch.Tensor]]]]:
+    """The page fields of each layer (codecs: one per layer), allocated once per distinct codec as
+    [layers, num_pages, *shape]: each layer's fields [num_pages, *shape] (views), and per codec its
+    layers and fields seen as [layers x num_pages, *shape]."""
+    by_codec: dict[object, list[int]] = {}
+    for layer, codec in enumerate(codecs):
+        by_codec.setdefault(codec, []).append(layer)
+    per_layer: list[dict[str, torch.Tensor]] = [{} for _ in codecs]
+    groups = []
+    for codec, layers in by_codec.items():
+        fields = {name: torch.zeros((len(layers), num_pages, *shape), dtype=dtype, device=device)
+                  for name, (shape, dtype) in codec.field_specs(heads, head_dim).items()}
+        for i, layer in enumerate(layers):
+            per_layer[layer] = {name: t[i] for name, t in fields.items()}
+        groups.append((codec, layers, {name: t.flatten(0, 1) for name, t in fields.items()}))
+    return per_layer, groups
+
+
+class _FlushPlan(NamedTuple):
+    """What a flush of one window's layers touches, uploaded once: the layers [L] and, per side (0
+    keys, 1 values) and codec, the codec, its fields [layers x pages, ...], its layers among these
+    [n] and their positions in its fields [n]."""
+    layers: torch.Tensor
+    groups: list[tuple[int, object, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def of(cls, layers: list[int], groups_by_side: dict, device: torch.device) -> "_FlushPlan":
+        plan = []
+        for side, groups in groups_by_side.items():
+            for codec, group_layers, fields in groups:
+                mine = [layer for layer in group_layers if layer in layers]
+                if mine:
+                    plan.append((side, codec, fields, to_device(mine, device),
+                                 to_device([group_layers.index(layer) for layer in mine], device)))
+        return cls(to_device(layers, device), plan)
 
 
 def _fill_random(t: torch.Tensor, name: str) -> None:
