@@ -107,6 +107,7 @@ class LLM:
             sliding_window=mc.sliding_window, backend=None if config.backend == "auto" else config.backend,
         )
         graphs = config.cuda_graphs and self.device.type == "cuda" and config.backend != "torch"
+        self.cache.warm_up()
         self.runner = ModelRunner(model, self.cache, config.max_batch, graphs, self.tp)
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: collections.deque[Request] = collections.deque()  # admitted, prompt partly in the cache

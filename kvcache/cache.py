@@ -310,9 +310,21 @@ class KVCache:
         layer and side cost Llama-3-8B's 32 layers 9.6 ms of host time and, for Kitty's keys (8
         programs a launch), 1.3 ms of GPU time. So every layer that shares a codec is encoded in one
         launch, reading its tiles in place from the dense buffer, and the shift is one copy."""
-        S, slots, pages = self.sink, self.max_seqs + 1, self.pool.num_pages
         rows = to_device([s for s, _, _ in full], self.device)
-        page_ids = to_device([self._pages[s][n] for s, n, _ in full], self.device)
+        self._encode_recent(plan, rows, to_device([self._pages[s][n] for s, n, _ in full], self.device))
+        # Shift the remaining tokens to the front of the recent tier (the most any row keeps:
+        # rows that keep fewer copy a few stale tokens past their end, which nothing reads).
+        # The copy goes through a temporary, so it is cut into groups of layers of at most 64 MiB.
+        S, R = self.sink, max(left for _, _, left in full)
+        per_layer = max(1, self._dense[:, 0, 0, :, :R].numel() * self._dense.element_size() * len(full))
+        group = max(1, (64 << 20) // per_layer)
+        for g in range(0, len(plan.layers) if R else 0, group):
+            at = (slice(None), plan.layers[g:g + group, None], rows[None, :], slice(None))
+            self._dense[at + (slice(S, S + R),)] = self._dense[at + (slice(S + PAGE_TOKENS, S + PAGE_TOKENS + R),)]
+
+    def _encode_recent(self, plan: "_FlushPlan", rows: torch.Tensor, page_ids: torch.Tensor) -> None:
+        """Encode the oldest 128 recent tokens of these rows [N] into these pages [N] in the plan's layers."""
+        S, slots, pages = self.sink, self.max_seqs + 1, self.pool.num_pages
         for side, codec, fields, layers, in_group in plan.groups:
             # tile (layer, row) is row layer * slots + row of the dense buffer seen as [layers x slots, ...]
             # and goes to page in_group * pages + page of the group's fields seen as [layers x pages, ...]
@@ -322,15 +334,19 @@ class KVCache:
             kernels.encode_pages(codec, tiles, fields, (in_group[:, None] * pages + page_ids[None, :]).flatten(),
                                  backend=self.backend, query_weight=weights,
                                  rows=(layers[:, None] * slots + rows[None, :]).flatten())
-        # Shift the remaining tokens to the front of the recent tier (the most any row keeps:
-        # rows that keep fewer copy a few stale tokens past their end, which nothing reads).
-        # The copy goes through a temporary, so it is cut into groups of layers of at most 64 MiB.
-        R = max(left for _, _, left in full)
-        per_layer = max(1, self._dense[:, 0, 0, :, :R].numel() * self._dense.element_size() * len(full))
-        group = max(1, (64 << 20) // per_layer)
-        for g in range(0, len(plan.layers) if R else 0, group):
-            at = (slice(None), plan.layers[g:g + group, None], rows[None, :], slice(None))
-            self._dense[at + (slice(S, S + R),)] = self._dense[at + (slice(S + PAGE_TOKENS, S + PAGE_TOKENS + R),)]
+
+    def warm_up(self) -> None:
+        """Compile the page encoder of the flush now: otherwise a sequence whose prompt filled no
+        page compiles it at its first flush, mid-generation (seconds on a cold Triton cache). It
+        encodes the scratch slot's recent tier into page 0, which no sequence holds yet; a page is
+        always written before it is read. Only compiled kernels on a GPU need it."""
+        if self.device.type != "cuda" or kernels.pick_backend(self.device, self.backend) != "triton":
+            return
+        if self.pool.num_free != self.pool.num_pages:
+            raise RuntimeError("warm_up writes page 0: call it before any sequence is admitted")
+        if self.pool.num_pages:
+            for plan in self._flush_plans.values():
+                self._encode_recent(plan, to_device([self.scratch_slot], self.device), to_device([0], self.device))
 
     def _store_block(self, layer: int, step: "_Step") -> None:
         """Place T new tokens per row: fill the sink, then append to the recent tier, encoding
