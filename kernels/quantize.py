@@ -253,8 +253,8 @@ def encode_pages(codec, x: Tensor, pool_fields: dict[str, Tensor], page_ids: Ten
     cache's recent tier) rather than gathered into a copy first."""
     _, H, T, D = x.shape
     N = page_ids.shape[0]
-    if rows is None and x.shape[0] != N:
-        raise ValueError(f"{x.shape[0]} tiles for {N} page ids")
+    if (x.shape[0] if rows is None else rows.shape[0]) != N:
+        raise ValueError(f"{x.shape[0] if rows is None else rows.shape[0]} tiles for {N} page ids")
     if N == 0:
         return
     if x.stride(-1) != 1 or D & (D - 1):
