@@ -90,7 +90,6 @@ class KVCache:
         # per slot and kv-head channel (only for formats that ask for it)
         self._query_weights = (torch.zeros(n_layers, max_seqs + 1, n_kv_heads, head_dim, device=self.device)
                                if any(f.k.needs_queries for f in self.formats) else None)
-        self._query_weight = list(self._query_weights) if self._query_weights is not None else None
         self.max_pages_per_seq = self.pages_needed(max_seq_len)
         self.page_table = torch.zeros(max_seqs + 1, max(1, self.max_pages_per_seq), dtype=torch.int32, device=self.device)
         # Per-step inputs of the attention live in fixed buffers, so that a captured CUDA graph
@@ -228,14 +227,14 @@ class KVCache:
             cos, sin = (None, None) if rope is None else (rope[0][:, 0, 0], rope[1][:, 0, 0])
             q = kernels.rope_store(q[:, :, 0], k[:, :, 0], v[:, :, 0], cos, sin, self.dense_k[layer],
                                    self.dense_v[layer], step.slots_t, counts.write_index, backend=self.backend)
-            if self._query_weight is not None:
+            if self._query_weights is not None:
                 self._track_queries(layer, q[:, :, None])
             o = kernels.decode_attention(q, self.formats[layer], self._tiers(layer, counts), scale,
                                          window=self.sliding_window, backend=self.backend)
             return o[:, :, None].to(q.dtype)
         if rope is not None:
             q, k = (kernels.apply_rope(x, *rope, backend=self.backend) for x in (q, k))
-        if self._query_weight is not None:
+        if self._query_weights is not None:
             self._track_queries(layer, q)
         step.pending[layer] = (k, v)
         if not any(self._lengths[s] for s in step.slots):
@@ -252,7 +251,7 @@ class KVCache:
         decode step moves it 1/128 of the way (a page's worth of steps)."""
         B, Hq, T, D = q.shape
         new = q.detach().float().abs().view(B, self.n_kv_heads, Hq // self.n_kv_heads, T, D).mean((2, 3))
-        w, rows = self._query_weight[layer], self._step.slots_t
+        w, rows = self._query_weights[layer], self._step.slots_t
         w[rows] = new if T > 1 else w[rows] + (new - w[rows]) / PAGE_TOKENS
 
     def _stored_then(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,7 +315,7 @@ class KVCache:
         # rows that keep fewer copy a few stale tokens past their end, which nothing reads).
         # The copy goes through a temporary, so it is cut into groups of layers of at most 64 MiB.
         S, R = self.sink, max(left for _, _, left in full)
-        per_layer = max(1, self._dense[:, 0, 0, :, :R].numel() * self._dense.element_size() * len(full))
+        per_layer = max(1, 2 * self.n_kv_heads * R * self.head_dim * self._dense.element_size() * len(full))
         group = max(1, (64 << 20) // per_layer)
         for g in range(0, len(plan.layers) if R else 0, group):
             at = (slice(None), plan.layers[g:g + group, None], rows[None, :], slice(None))
@@ -368,7 +367,7 @@ class KVCache:
                 H, D = self.n_kv_heads, self.head_dim
                 tiles_k = tail_k[:, : n_full * PAGE_TOKENS].reshape(H, n_full, PAGE_TOKENS, D).transpose(0, 1)
                 tiles_v = tail_v[:, : n_full * PAGE_TOKENS].reshape(H, n_full, PAGE_TOKENS, D).transpose(0, 1)
-                slots = to_device([s] * n_full, self.device) if self._query_weight is not None else None
+                slots = to_device([s] * n_full, self.device) if self._query_weights is not None else None
                 self._write_pages(layer, tiles_k, tiles_v, self._pages[s][n_pages:n_pages + n_full], slots)
             keep = tail_k.shape[1] - n_full * PAGE_TOKENS
             dk[s, :, S:S + keep] = tail_k[:, n_full * PAGE_TOKENS:]
@@ -380,7 +379,7 @@ class KVCache:
         where the format ranks by them) into these pages."""
         ids = to_device(page_ids, self.device)
         fmt = self.formats[layer]
-        query_weight = self._query_weight[layer][slots] if self._query_weight is not None else None
+        query_weight = self._query_weights[layer][slots] if self._query_weights is not None else None
         kernels.encode_pages(fmt.k, k_tiles, self.k_pages[layer], ids, backend=self.backend, query_weight=query_weight)
         kernels.encode_pages(fmt.v, v_tiles, self.v_pages[layer], ids, backend=self.backend)
 
