@@ -308,7 +308,8 @@ class KVCache:
         A flush comes once every 128 decode steps and the GPU waits for all of it: one launch per
         layer and side cost Llama-3-8B's 32 layers 9.6 ms of host time and, for Kitty's keys (8
         programs a launch), 1.3 ms of GPU time. So every layer that shares a codec is encoded in one
-        launch, reading its tiles in place from the dense buffer, and the shift is one copy."""
+        launch, reading its tiles in place from the dense buffer, and the shift is one copy per group of
+        layers (below)."""
         rows = to_device([s for s, _, _ in full], self.device)
         self._encode_recent(plan, rows, to_device([self._pages[s][n] for s, n, _ in full], self.device))
         # Shift the remaining tokens to the front of the recent tier (the most any row keeps:
