@@ -90,7 +90,7 @@ from triton.runtime.jit import constexpr_function
 from quant import NF4_LEVELS, PAGE_TOKENS
 from quant.layout import Layout
 
-from .pdl import kernel_options, wait_then_release
+from .pdl import kernel_options, release_then_wait, wait_then_release
 from .quantize import swapped
 from .reference import Tiers
 from .unpack import LAZY_MAX, _slot_asm
@@ -833,11 +833,12 @@ def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, M, H: tl.c
     written, an empty one as o = 0, lse = -inf), and the running sums are rescaled when a chunk
     raises the max, so a row of up to CHUNK partials costs one memory latency. Each program merges
     D_BLOCK channels (at batch 1 there are few rows, so channels give the parallelism)."""
-    wait_then_release(PDL)
     bh = tl.program_id(0)
     m = tl.program_id(1)
     d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
+    # (the page counts are written between steps, never by a decode kernel: read before the wait)
     _, n_live = _page_split(tl.load(NPAGES + bh // H).to(tl.int32), num_splits, MIN_PAGES, SHORT_PAGES)
+    release_then_wait(PDL)  # the o_proj GEMV behind launches now (pdl.py)
     n_read = n_live + TIERS
     top = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], tl.float32)

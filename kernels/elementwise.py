@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from .pdl import kernel_options, wait_then_release
+from .pdl import kernel_options, release_then_wait, wait_then_release
 
 
 @triton.jit
@@ -152,7 +152,7 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, dense_k
                        ROPE: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads 0 .. HQ-1, then the kv heads
-    wait_then_release(PDL)
+    release_then_wait(PDL)  # the attention's split kernel launches now (pdl.py)
     cos, sin = cos_ptr + b * s_c_b, sin_ptr + b * s_c_b
     if head < HQ:
         q1, q2 = _halves(q_ptr + b * s_q_b + head * s_q_h, cos, sin, ROPE, HALF, HALF)

@@ -680,6 +680,19 @@ def test_argmax_matches_torch_with_ties(dtype):
 
 
 @pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU of compute capability 9.0+")
+def captured(chain):
+    """(CUDA graph of chain(), its outputs), compiled on a side stream first (not in the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    return graph, out
+
+
 def test_pdl_chain_in_a_cuda_graph_matches_torch():
     """Kernels that start before their predecessor ends (pdl.py), captured in a CUDA graph and
     replayed on new inputs: a GEMV -> add+RMSNorm -> GEMV -> SiLU -> GEMV -> argmax chain whose
@@ -710,17 +723,63 @@ def test_pdl_chain_in_a_cuda_graph_matches_torch():
         return (reference.silu_mul(gate, up).float() @ w_down.float().T).to(DTYPE) + total
 
     x.copy_(rand(1, D))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, index = chain()
+    graph, (out, index) = captured(chain)
     for _ in range(20):
         x.copy_(rand(1, D))
         graph.replay()
         expect = torch_chain()
         assert (out.float() - expect.float()).abs().max() < 2e-2 * expect.float().abs().max()
         assert index.item() == out.argmax(-1).item()
+
+
+@pytest.mark.parametrize("gluon", [False, True])
+def test_pdl_attention_chain_in_a_cuda_graph_matches_torch(gluon):
+    """The attention's part of a decode step as the engine runs it at batch 1, with PDL, in a CUDA
+    graph replayed on new inputs: qkv GEMV -> rope_store (which releases the split kernel before its
+    own wait) -> Kitty's split kernel (Triton or Gluon) -> merge (which releases the next GEMV
+    before its wait) -> o GEMV. It equals torch's projections, reference.rope_store and
+    reference.decode_attention, replay after replay, so no kernel read what its predecessor had
+    not written yet."""
+    if not pdl.enabled(DEVICE):
+        pytest.skip("PDL is off on this GPU (compute capability < 9.0 or NANOKV_PDL=0)")
+    g = torch.Generator().manual_seed(7)
+    H, group, D, dim = 2, 4, 128, 512
+    c = make_cache(get_format("kitty"), H, D, [SINK], [40], [77], g)
+    tiers = kernels.Tiers(**{name: c[name] for name in kernels.Tiers._fields})
+    slots, index = torch.zeros(1, dtype=torch.long, device=DEVICE), torch.full((1,), 76, dtype=torch.int32, device=DEVICE)
+    w_qkv = (torch.randn((group + 2) * H * D, dim, generator=g) * dim**-0.5).to(DEVICE, DTYPE)
+    w_o = (torch.randn(dim, group * H * D, generator=g) * (group * H * D)**-0.5).to(DEVICE, DTYPE)
+    x = torch.empty(1, dim, device=DEVICE, dtype=DTYPE)
+    cos, sin = torch.empty(1, D, device=DEVICE, dtype=DTYPE), torch.empty(1, D, device=DEVICE, dtype=DTYPE)
+    tile = matmul.ONE_ROW_TILES[0]
+    launch = attention.Launch(num_splits=8, gluon=gluon)
+
+    def heads(qkv):  # [1, (group + 2) * H * D] -> q [1, group * H, D], k, v [1, H, D]
+        qkv = qkv.view(1, (group + 2) * H, D)
+        return qkv[:, :group * H], qkv[:, group * H:(group + 1) * H], qkv[:, (group + 1) * H:]
+
+    def chain():
+        q = elementwise.rope_store(*heads(gemv.gemv(x, w_qkv, None, tile)), cos, sin, tiers.recent_k, tiers.recent_v,
+                                   slots, index)
+        o = attention.decode_attention(q, c["fmt"], tiers, D**-0.5, launch=launch)
+        return gemv.gemv(o.view(1, -1), w_o, None, tile)
+
+    def new_inputs():
+        x.copy_(torch.randn(1, dim, generator=g))
+        angles = torch.rand(1, D // 2, generator=g).repeat(1, 2).to(DEVICE) * 6
+        cos.copy_(angles.cos()), sin.copy_(angles.sin())
+
+    def torch_chain():
+        recent_k, recent_v = tiers.recent_k.clone(), tiers.recent_v.clone()
+        q, k, v = heads((x.float() @ w_qkv.float().T).to(DTYPE))
+        q = reference.rope_store(q, k, v, cos, sin, recent_k, recent_v, slots, index)
+        o = reference.decode_attention(q, c["fmt"], tiers._replace(recent_k=recent_k, recent_v=recent_v), D**-0.5)
+        return (o.view(1, -1).float() @ w_o.float().T).to(DTYPE)
+
+    new_inputs()
+    graph, out = captured(chain)
+    for _ in range(20):
+        new_inputs()
+        graph.replay()
+        expect = torch_chain()
+        assert (out.float() - expect.float()).abs().max() < 2e-2 * expect.float().abs().max()
