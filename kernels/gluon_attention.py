@@ -100,6 +100,14 @@ def _arange3(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, layout: gl.co
 
 
 @gluon.jit
+def _q_scaled(Q, bh, M, qk_scale):
+    """The M q rows of (row, kv head) bh times qk_scale, fp16 [4, 32, 8] in Q_LOAD (rows past M are 0)."""
+    tq, jq, nq = _arange3(4, 32, 8, Q_LOAD)
+    q = gl.load(Q + (bh * M + nq) * D + tq * 32 + jq, mask=nq < M, other=0.0)
+    return (q.to(gl.float32) * qk_scale).to(gl.float16)
+
+
+@gluon.jit
 def _key_operand(rows):
     """[32, 4, 32] rows loaded in ROW_LOAD -> the key product's A operand [32, 128]: logical channel
     d = 16 jhi + 4 t + jlo is physical element 32 t + 4 jhi + jlo of the row."""
@@ -181,8 +189,8 @@ def _dense_tier(q_b, K, V, s_t, n, m_i, l_tile, corr_tile, acc):
 
 
 @gluon.jit
-def _pages(q, q_b, PT, pt_row, p0, p1, bh, h, qk_scale, K_CODES, K_SCALE, K_ZERO, K_HIGH, K_IDS,
-           V_CODES, V_SCALE, V_ZERO, Q, M, H: gl.constexpr, N_HIGH: gl.constexpr):
+def _pages(PT, pt_row, p0, p1, bh, h, qk_scale, K_CODES, K_SCALE, K_ZERO, K_HIGH, K_IDS,
+           V_CODES, V_SCALE, V_ZERO, Q, M, H: gl.constexpr, N_HIGH: gl.constexpr, PDL: gl.constexpr):
     """The pages [p0, p1): m [N], l [N], acc [D, N] (channel m in row m) and the offsets' correction [N]."""
     m_i = gl.full([8], -1e30, gl.float32, COLS)
     acc = gl.zeros([128, 8], gl.float32, layout=MMA)
@@ -201,6 +209,12 @@ def _pages(q, q_b, PT, pt_row, p0, p1, bh, h, qk_scale, K_CODES, K_SCALE, K_ZERO
     page_next = gl.load(PT + pt_row + p0)
     if N_HIGH > 0:  # Kitty's boosted channel ids, read a page ahead like the page ids: two gathers wait on them
         ids_next = gl.load(K_IDS + (page_next.to(gl.int64) * H + h) * N_HIGH + rank).to(gl.int32)
+    # The page table and the pages change only between steps: read before the wait (pdl.py), so the
+    # first page's loads go out as soon as rope_store has written q
+    if PDL:
+        gl.inline_asm_elementwise(PDL_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    q = _q_scaled(Q, bh, M, qk_scale)
+    q_b = _q_operand(q)
     for p in range(p0, p1):
         page = page_next.to(gl.int64) * H + h  # (page, kv head)
         page_next = gl.load(PT + pt_row + p + 1, mask=p + 1 < p1, other=0)
@@ -254,8 +268,6 @@ def gluon_split_kernel(Q, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V
                        N_HIGH: gl.constexpr, HAS_SLOTS: gl.constexpr, PDL: gl.constexpr):
     """attention._split_kernel's partials for one (row, kv head, part): parts below TIERS the FP16
     tiers (0 the sink, then chunks of the recent tier), the rest page splits (attention._page_split)."""
-    if PDL:  # (pdl.wait_then_release)
-        gl.inline_asm_elementwise(PDL_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     bh = gl.program_id(0)
     part = gl.program_id(1)
     split = part - TIERS
@@ -273,12 +285,12 @@ def gluon_split_kernel(Q, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V
     out_row = gl.expand_dims((bh * (num_splits + TIERS) + part) * M + n_c, 0)
     n_ok = n_c < M
     m_rows = gl.arange(0, 128, layout=ROWS_OF)
+    if PDL:  # (pdl.wait_then_release; page programs wait in _pages, after their page table reads)
+        if (part < TIERS) | (split >= n_live):
+            gl.inline_asm_elementwise(PDL_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     if (part < TIERS) | (split < n_live):
-        tq, jq, nq = _arange3(4, 32, 8, Q_LOAD)
-        q = gl.load(Q + (bh * M + nq) * D + tq * 32 + jq, mask=nq < M, other=0.0).to(gl.float32) * qk_scale
-        q16 = q.to(gl.float16)
-        q_b = _q_operand(q16)
         if part < TIERS:
+            q_b = _q_operand(_q_scaled(Q, bh, M, qk_scale))
             m_i = gl.full([8], -1e30, gl.float32, COLS)
             l_tile = gl.zeros([32, 8], gl.float32, layout=MMA)
             corr_tile = gl.zeros([32, 8], gl.float32, layout=MMA)  # (FP16 tokens carry no offsets: stays 0)
@@ -300,9 +312,9 @@ def gluon_split_kernel(Q, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V
             channel = 16 * (m_rows % 8) + m_rows // 8
         else:
             p0 = split * per
-            m_i, l_i, acc, corr = _pages(q16, q_b, PT, slot * s_pt_b, p0, gl.minimum(p0 + per, n_pg), bh, h, qk_scale,
+            m_i, l_i, acc, corr = _pages(PT, slot * s_pt_b, p0, gl.minimum(p0 + per, n_pg), bh, h, qk_scale,
                                          K_CODES, K_SCALE, K_ZERO, K_HIGH, K_IDS, V_CODES, V_SCALE, V_ZERO, Q, M, H,
-                                         N_HIGH)
+                                         N_HIGH, PDL)
             channel = m_rows
         # as attention._split_kernel: an empty part writes o = 0, lse = -inf
         l_safe = gl.where(l_i > 0, l_i, 1.0)
