@@ -14,7 +14,7 @@ The rule, for every kernel launched with `launch_pdl=enabled(device)`:
   and pages, which change only between steps (so the Gluon split kernel looks up its first page first);
 - `wait_then_release` waits for its predecessor, then lets its own successor launch. Releasing
   only after the wait keeps at most one kernel running ahead of the one doing the work, so the
-  early reads of weights are the only thing that overlaps;
+  early reads above are the only thing that overlaps;
 - every program calls it, including programs that have nothing to do: a grid completes only
   after each of its programs has waited, which is what orders the kernels two apart.
 
@@ -23,8 +23,8 @@ kernel, and the attention's merge, ahead of the o_proj GEMV. Their successor the
 they still wait, so its programs are resident and past their own pre-wait part sooner (a kernel
 of a few microseconds otherwise hands over only after its predecessor has ended). The order of
 the work is unchanged: the successor's wait still waits for this kernel, which completes only
-after its own wait. At batch 1 / 32k this made Llama-3-8B-shaped decode 0.6% faster with Kitty's
-pages and 0.2% with FP16 (docs/benchmarks.md, session 35).
+after its own wait. At batch 1 / 32k this made Llama-3-8B-shaped decode 0.2-0.7% faster with
+Kitty's pages and 0.1-0.4% with FP16 (docs/benchmarks.md, session 35).
 
 Kernels that do not take part (cuBLAS, torch ops) are ordered as usual; one launched after
 them waits for their completion at its wait. Under CUDA-graph capture the attribute becomes a
