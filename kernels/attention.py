@@ -454,7 +454,7 @@ def _dense_tier(q, m_i, l_i, acc, k_base, v_base, s_t, n, first, q_pos, window, 
 
 
 @triton.jit
-def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d, q_pos, window,
+def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d, q_pos, window,
            pos0, qk_scale, LEVELS,
            K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, V_CODES, V_SCALE, V_ZERO, V_MULT,
            dt: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TOKENS: tl.constexpr,
@@ -505,7 +505,7 @@ def _pages(q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d,
     # page, whose compute the next page's fields stream into the L2 under (_prefetch_page); they are
     # carried as int32 there (batch 1 and 4 / 32k 1-2.5% faster than int64), as int64 otherwise (int32 ids
     # made the pipelined loop 1-11% slower at batch 16 / 64; H100, session 22)
-    page_next = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0)
+    page_next = first_page  # PT[slot, p0] (0 for no pages), read by the caller
     if PREFETCH:
         page_after = tl.load(PT + slot * s_pt_b + (p0 + 1) * s_pt_p, mask=p0 + 1 < p1, other=0)
     else:
@@ -739,7 +739,6 @@ def _split_kernel(
     PREFETCH: tl.constexpr,
 ):
     tl.static_assert(not V_COLUMNS_SWAPPED, "value planes are stored channel-major, never with swapped columns")
-    wait_then_release(PDL)  # every program, the empty splits too (pdl.py)
     bh = tl.program_id(0)
     part = tl.program_id(1)
     split = part - TIERS  # page split >= 0; part 0: the sink; parts 1 .. TIERS-1: chunks of the recent tier
@@ -764,23 +763,34 @@ def _split_kernel(
     # query row n (head-major, query-minor) sits at q_pos; with a window it sees pos only while q_pos - pos < window
     q_pos = n_sink + n_pg * PAGE_TOKENS + n_rec + q_pos_offset + n_rows % n_queries
     per, n_live = _page_split(n_pg, num_splits, MIN_PAGES, SHORT_PAGES)
-    if ONE_PROGRAM or ((split >= 0) and (split < n_live)):
-        # quantized pages [p0, p1) of this row, q in the pages' (maybe rotated) domain
+    # quantized pages [p0, p1) of this row
+    if ONE_PROGRAM:
+        p0 = 0
+        p1 = n_pg
+    else:
+        p0 = split * per
+        p1 = tl.minimum(p0 + per, n_pg)
+    if HAS_WINDOW:  # skip the pages older than every query's window
+        lo = tl.min(tl.where(n_ok, q_pos, 2**30), 0) - window - n_sink - (PAGE_TOKENS - 2)
+        p0 = tl.maximum(p0, tl.where(lo > 0, (lo + PAGE_TOKENS - 1) // PAGE_TOKENS, 0))
+    has_pages = ONE_PROGRAM or ((split >= 0) and (split < n_live))
+    # The slots, counts and page table change only between steps, so with PDL the first page's id is
+    # read before the wait: its codes' loads go out as soon as q is written (engine, batch 1 / 32k:
+    # fp16 0.4% faster). Without PDL it is read after q's load, as before: read first, batch-1 cells
+    # of kitty, kivi-k2v2, kvarn and nqkv were 1-3% slower (H100, session 35).
+    if PDL:
+        first_page = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=(p0 < p1) & has_pages, other=0)
+    wait_then_release(PDL)  # every program, the empty splits too (pdl.py)
+    if has_pages:
+        # q in the pages' (maybe rotated) domain
         q = tl.load(Q + q_off, mask=n_ok[:, None], other=0.0)  # kept in dt: fewer live registers
+        if not PDL:
+            first_page = tl.load(PT + slot * s_pt_b + p0 * s_pt_p, mask=p0 < p1, other=0)
         if K_ROTATE:  # rounded to dt after the rotation, as fmt.rotate does
             tl.static_assert(K_N_HIGH == 0, "boosted channels are gathered from the un-rotated q")
             q = _hadamard(q.to(tl.float32), LOG2_D, True).to(dt)
-        if ONE_PROGRAM:
-            p0 = 0
-            p1 = n_pg
-        else:
-            p0 = split * per
-            p1 = tl.minimum(p0 + per, n_pg)
-        if HAS_WINDOW:  # skip the pages older than every query's window
-            lo = tl.min(tl.where(n_ok, q_pos, 2**30), 0) - window - n_sink - (PAGE_TOKENS - 2)
-            p0 = tl.maximum(p0, tl.where(lo > 0, (lo + PAGE_TOKENS - 1) // PAGE_TOKENS, 0))
         m_i, l_i, acc, corr = _pages(
-            q, p0, p1, PT, slot, s_pt_b, s_pt_p, Q, bh * M, n_rows, n_ok, h, d, q_pos, window,
+            q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, bh * M, n_rows, n_ok, h, d, q_pos, window,
             n_sink, qk_scale, LEVELS, K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, V_CODES, V_SCALE, V_ZERO,
             V_MULT, dt, H, D, BLOCK_N, PAGE_TOKENS, STEP, BLOCK_ROWS, NB_PAD, HAS_WINDOW, ASM,
             K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO, K_MULT_KIND,
