@@ -679,7 +679,6 @@ def test_argmax_matches_torch_with_ties(dtype):
     assert got.tolist() == x.argmax(-1).tolist() == [got[0].item(), 5, greedy.CHUNK + 3, n - 1, 0]
 
 
-@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU of compute capability 9.0+")
 def captured(chain):
     """(CUDA graph of chain(), its outputs), compiled on a side stream first (not in the capture)."""
     side = torch.cuda.Stream()
@@ -693,6 +692,7 @@ def captured(chain):
     return graph, out
 
 
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU of compute capability 9.0+")
 def test_pdl_chain_in_a_cuda_graph_matches_torch():
     """Kernels that start before their predecessor ends (pdl.py), captured in a CUDA graph and
     replayed on new inputs: a GEMV -> add+RMSNorm -> GEMV -> SiLU -> GEMV -> argmax chain whose
@@ -732,6 +732,7 @@ def test_pdl_chain_in_a_cuda_graph_matches_torch():
         assert index.item() == out.argmax(-1).item()
 
 
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU of compute capability 9.0+")
 @pytest.mark.parametrize("gluon", [False, True])
 def test_pdl_attention_chain_in_a_cuda_graph_matches_torch(gluon):
     """The attention's part of a decode step as the engine runs it at batch 1, with PDL, in a CUDA
