@@ -108,6 +108,12 @@ def _q_scaled(Q, bh, M, qk_scale):
 
 
 @gluon.jit
+def _wait_then_release():
+    """pdl.wait_then_release for Gluon: wait for the kernel ahead, then let the next one launch."""
+    gl.inline_asm_elementwise(PDL_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _key_operand(rows):
     """[32, 4, 32] rows loaded in ROW_LOAD -> the key product's A operand [32, 128]: logical channel
     d = 16 jhi + 4 t + jlo is physical element 32 t + 4 jhi + jlo of the row."""
@@ -212,7 +218,7 @@ def _pages(PT, pt_row, p0, p1, bh, h, qk_scale, K_CODES, K_SCALE, K_ZERO, K_HIGH
     # The page table and the pages change only between steps: read before the wait (pdl.py), so the
     # first page's loads go out as soon as rope_store has written q
     if PDL:
-        gl.inline_asm_elementwise(PDL_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        _wait_then_release()
     q = _q_scaled(Q, bh, M, qk_scale)
     q_b = _q_operand(q)
     for p in range(p0, p1):
@@ -287,7 +293,7 @@ def gluon_split_kernel(Q, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V
     m_rows = gl.arange(0, 128, layout=ROWS_OF)
     if PDL:  # (pdl.wait_then_release; page programs wait in _pages, after their page table reads)
         if (part < TIERS) | (split >= n_live):
-            gl.inline_asm_elementwise(PDL_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            _wait_then_release()
     if (part < TIERS) | (split < n_live):
         if part < TIERS:
             q_b = _q_operand(_q_scaled(Q, bh, M, qk_scale))

@@ -11,7 +11,7 @@ drains: the step loses less to launch gaps and ramps.
 The rule, for every kernel launched with `launch_pdl=enabled(device)`:
 - before `wait_then_release` it reads only memory no decode kernel writes, and writes nothing:
   weights (e.g. by `prefetch_weights` into L2), or the KV cache's slots, token counts, page table
-  and pages, which change only between steps (so the Gluon split kernel looks up its first page first);
+  and pages, which change only between steps (so both split kernels look up their first page first);
 - `wait_then_release` waits for its predecessor, then lets its own successor launch. Releasing
   only after the wait keeps at most one kernel running ahead of the one doing the work, so the
   early reads above are the only thing that overlaps;
