@@ -143,7 +143,14 @@ def _nf4_lookup_asm() -> str:
     lie: its low half indexes the codes of bytes 0 and 1, the high half (after one shift) those of
     bytes 2 and 3, and the last prmt of each output sorts the looked-up bytes into elements. Per
     eight codes 21 instructions; one slot at a time took 29 and two prmt more to gather each
-    slot's four nibbles into one selector."""
+    slot's four nibbles into one selector.
+
+    SASS's PRMT takes at most one of its two table words as an immediate; the other must sit in a
+    register. Constants are warp-uniform, so ptxas keeps them in uniform registers and copies one
+    into a register before every lookup (8 copies per eight codes, a fifth of nqkv's page loop).
+    The four register-side words are therefore built from lanemask_lt & lanemask_gt (zero in every
+    lane, but not provably uniform): ptxas computes them once, hoisted out of the page loop, and
+    keeps them in ordinary registers (nqkv's loop 4533 -> 3613 instructions, scripts/sass.py)."""
     bits = [int(b) & 0xFFFF for b in NF4_LEVELS.half().view(torch.int16).tolist()]
     lo, hi = [b & 0xFF for b in bits], [b >> 8 for b in bits]
 
@@ -152,16 +159,23 @@ def _nf4_lookup_asm() -> str:
 
     def lookups(sel, flags, lo_out, hi_out):  # the levels of sel's four 3-bit nibbles, bit 3 from flags
         return (
-            f"prmt.b32 la, {word(lo, 0):#x}, {word(lo, 4):#x}, {sel};\n"
-            f"prmt.b32 lb, {word(lo, 8):#x}, {word(lo, 12):#x}, {sel};\n"
-            f"prmt.b32 ha, {word(hi, 0):#x}, {word(hi, 4):#x}, {sel};\n"
-            f"prmt.b32 hb, {word(hi, 8):#x}, {word(hi, 12):#x}, {sel};\n"
+            f"prmt.b32 la, w0, {word(lo, 4):#x}, {sel};\n"
+            f"prmt.b32 lb, w1, {word(lo, 12):#x}, {sel};\n"
+            f"prmt.b32 ha, w2, {word(hi, 4):#x}, {sel};\n"
+            f"prmt.b32 hb, w3, {word(hi, 12):#x}, {sel};\n"
             f"lop3.b32 {lo_out}, {flags}, lb, la, 0xca;\n"  # flags ? lb : la
             f"lop3.b32 {hi_out}, {flags}, hb, ha, 0xca;\n"
         )
 
     return (
-        "{\n.reg .b32 s, t, u, m, n, la, lb, ha, hb, lo, hi, lo2, hi2;\n"
+        "{\n.reg .b32 s, t, u, m, n, la, lb, ha, hb, lo, hi, lo2, hi2, w0, w1, w2, w3;\n"
+        "mov.b32 w0, %lanemask_lt;\n"
+        "mov.b32 w1, %lanemask_gt;\n"
+        "and.b32 w3, w0, w1;\n"  # 0, in registers
+        f"or.b32 w0, w3, {word(lo, 0):#x};\n"
+        f"or.b32 w1, w3, {word(lo, 8):#x};\n"
+        f"or.b32 w2, w3, {word(hi, 0):#x};\n"
+        f"or.b32 w3, w3, {word(hi, 8):#x};\n"
         "and.b32 s, $4, 0x77777777;\n"  # nibble k: code k's low 3 bits (bit 3 would switch prmt to sign mode)
         "shr.b32 t, s, 16;\n"
         # byte k = 0xFF where nibble k's bit 3 is set: bits 7 and 15 are the msbs of bytes 0 and 1,

@@ -273,12 +273,12 @@ def test_tile_options_do_not_change_the_result(name: str):
         call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(softmax_steps=3))
 
 
-def _run_ptx(asm: str, word: int, outputs: int = 2) -> list[int]:
+def _run_ptx(asm: str, word: int, outputs: int = 2, lane: int = 0) -> list[int]:
     """Our reading of the few PTX b32 instructions the unpack asm uses (mov, and, or, shl, shr,
-    lop3, prmt in its default and sign-replicate modes), run on one input word (the register after
-    the outputs): the outputs $0 .. The interpreter cannot run PTX, so this is what checks the
-    asm strings on CPU."""
-    regs = {f"${outputs}": word}
+    lop3, prmt in its default and sign-replicate modes; the lane masks of lane `lane`), run on one
+    input word (the register after the outputs): the outputs $0 .. The interpreter cannot run PTX,
+    so this is what checks the asm strings on CPU."""
+    regs = {f"${outputs}": word, "%lanemask_lt": (1 << lane) - 1, "%lanemask_gt": 0xFFFFFFFF & ~((2 << lane) - 1)}
     for line in asm.replace("{", "").replace("}", "").split(";"):
         line = line.strip()
         if not line or line.startswith(".reg"):
@@ -339,8 +339,8 @@ def test_nf4_asm_gives_the_levels():
         0, 2**32, (400,), generator=gen, dtype=torch.int64).tolist()
     levels = quant.NF4_LEVELS.half().tolist()
     asm = attention._nf4_lookup_asm()
-    for w in words:
-        r = _run_ptx(asm, w, outputs=4)
+    for n, w in enumerate(words):
+        r = _run_ptx(asm, w, outputs=4, lane=n % 32)
         for slot in range(2):
             want = [levels[w >> 8 * i >> 4 * slot & 0xF] for i in range(4)]
             assert _halves(*r[2 * slot:2 * slot + 2]) == want, (slot, hex(w))
