@@ -113,6 +113,16 @@ def _tile_offset(bits, rows, step, t0, nf4):
 
 
 @constexpr_function
+def _corrects(bits, rows, step, nf4, per_token, has_zero, group, head_dim, apart):
+    """Whether the value products leave anything in corr (_pages): the offsets of packed RTN tiles
+    (_tile_offset), or per-token zeros. NF4 and FP16 pages leave nothing, and their loop then keeps
+    no corr tile (an all-zero tile still took registers, and a multiply at every rescale)."""
+    offsets = not nf4 and bits != 16 and rows % step == 0 and not (per_token and group < head_dim)
+    zeros = per_token and has_zero and bits != 16 and group == head_dim
+    return not apart and (offsets or zeros)
+
+
+@constexpr_function
 def _step_token(i, slots, rows, step):
     """The first token of step i of a page's step loop: step i reads slot i % slots of block i // slots
     of `step` plane rows, i.e. tokens slot * rows + block * step + arange(step). (Called wherever a
@@ -501,6 +511,7 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
     # value factors that live outside the [D, N] accumulator's running sum: per-channel scales
     # (or KVarN's per-channel multiplier) differ from page to page, so those steps keep their product apart
     V_APART: tl.constexpr = (not V_PER_TOKEN and V_BITS != 16) or V_MULT_KIND == 2
+    V_CORRECTS: tl.constexpr = _corrects(V_BITS, V_ROWS, STEP, V_NF4, V_PER_TOKEN, V_HAS_ZERO, V_GROUP, D, V_APART)
     # per-token factors loaded straight into the logits' layout (_page_token_factors), except in a
     # pipelined loop whose value products are kept apart (KVarN at batch 16 and 64), where the
     # compact tile was faster: kvarn batch 64 / 32k 630 against 655 us, batch 16 191 against 195
@@ -665,7 +676,8 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                 alpha = tl.exp2(m_i - m_new)
                 acc *= alpha[None, :]
                 l_tile *= alpha[None, :]
-                corr_tile *= alpha[None, :]
+                if V_CORRECTS:
+                    corr_tile *= alpha[None, :]
                 m_i = m_new
             for i in tl.static_range(g0, g0 + SOFTMAX_STEPS):
                 t = _step_token(i, SLOTS, ROWS, STEP) + rs

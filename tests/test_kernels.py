@@ -207,6 +207,22 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
     assert err < TOL, f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("name", ["kivi-k2v2", "kivi-k4v4", "kitty", "kvmix:3v3", "nqkv", "fp16"])
+def test_triton_attention_rescales_what_the_offsets_left(name: str):
+    """Logits so large that the running max jumps by more than LAZY_MAX on later pages: every
+    rescale must also shrink what the value offsets (or zeros) have left in corr so far, for the
+    formats that leave something there (kernels.attention._corrects), against the reference."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    n_sink, n_pages, n_recent = ROWS["long"]
+    c = make_cache(get_format(name), 2, 64, n_sink, n_pages, n_recent, gen)
+    q = (30 * torch.randn(len(n_sink), 8, 64, generator=gen)).to(DEVICE, DTYPE)
+    want = call(reference.decode_attention, q, c, 64**-0.5).float()
+    for splits in (0, 2):  # one program walks every page, or two
+        got = call(attention.decode_attention, q, c, 64**-0.5, launch=attention.Launch(num_splits=splits)).float()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < TOL, f"{name}, {splits} splits: relative error {err:.2e}"
+
+
 # (format, gqa group, queries per row, rows, splits, extras) for the Gluon split kernel: Kitty's 16
 # and kitty-pro's 32 boosted channels and none, 1 to 8 q rows a kv head, rows in slots, the lse,
 # more splits than a row has pages, and a row longer than 32 pages (two pages a split)
