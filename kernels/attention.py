@@ -115,8 +115,9 @@ def _tile_offset(bits, rows, step, t0, nf4):
 @constexpr_function
 def _corrects(bits, rows, step, nf4, per_token, has_zero, group, head_dim, apart):
     """Whether the value products leave anything in corr (_pages): the offsets of packed RTN tiles
-    (_tile_offset), or per-token zeros. NF4 and FP16 pages leave nothing, and their loop then keeps
-    no corr tile (an all-zero tile still took registers, and a multiply at every rescale)."""
+    (_tile_offset), or per-token zeros. NF4 pages, FP16 pages and values kept apart (V_APART) leave
+    nothing, and their loop then keeps no corr tile (an all-zero tile still took registers, and a
+    multiply at every rescale)."""
     offsets = not nf4 and bits != 16 and rows % step == 0 and not (per_token and group < head_dim)
     zeros = per_token and has_zero and bits != 16 and group == head_dim
     return not apart and (offsets or zeros)
