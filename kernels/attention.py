@@ -118,7 +118,7 @@ def _corrects(bits, rows, step, nf4, per_token, has_zero, group, head_dim, apart
     (_tile_offset), or per-token zeros. NF4 pages, FP16 pages and values kept apart (V_APART) leave
     nothing, and their loop then keeps no corr tile (an all-zero tile still took registers, and a
     multiply at every rescale)."""
-    offsets = not nf4 and bits != 16 and rows % step == 0 and not (per_token and group < head_dim)
+    offsets = _tile_offset(bits, rows, step, 0, nf4) != 0 and not (per_token and group < head_dim)  # (grouped: decoded)
     zeros = per_token and has_zero and bits != 16 and group == head_dim
     return not apart and (offsets or zeros)
 
