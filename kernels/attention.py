@@ -339,7 +339,11 @@ def _page_token_factors(PTR, page, h, ts, USED: tl.constexpr, S_PAGE: tl.constex
     if DIRECT:
         factors = ()
         if USED and ASM:
-            _prefetch_l1(PTR + page * S_PAGE + (h // HDIV) * S_HEAD + tl.arange(0, PAGE_TOKENS) * S_TOK)
+            # one request a 128-byte line the factors touch, not one a token (3-11 fewer instructions a page)
+            LINE: tl.constexpr = 1024 // PTR.dtype.element_ty.primitive_bitwidth  # elements a line
+            APART: tl.constexpr = S_TOK if S_TOK > LINE else LINE
+            lines = tl.arange(0, PAGE_TOKENS * S_TOK // APART) * APART
+            _prefetch_l1(PTR + page * S_PAGE + (h // HDIV) * S_HEAD + lines)
         for i in tl.static_range(PAGE_TOKENS // STEP):
             f = tl.zeros([STEP], tl.float32)
             if USED:
