@@ -15,9 +15,10 @@ every key product. Gluon states the layouts, so nothing here touches shared memo
 - Codes load straight into MMA operand registers. The MMA's reduced axis is a free labelling: the
   key product may pair logical channel d with any physical channel as long as q uses the same
   pairing, and the value product may pair logical token k with any token as long as the weights
-  use the same one. The labelling is picked so that each thread's bytes are contiguous in the
-  page (32 bytes a key row, 8 bytes a value channel): the plane is loaded in that physical order
-  and reshaped into the operand layout (_key_operand, _value_operand: register renaming only).
+  use the same one. The labelling is picked so that each thread's bytes lie in whole runs of the
+  page (two runs of 16 bytes a key row, _row_channel; 8 bytes a value channel): the plane is
+  loaded in that physical order and reshaped into the operand layout (_key_operand,
+  _value_operand: register renaming only).
 - The softmax weights go from the logits' accumulator layout to the value product's B operand by
   movmatrix.trans, one per 8x8 block, in registers (_weights_operand). That transposes each block
   and fixes which logits row feeds which value token (_weights_position); so each logits row
@@ -90,6 +91,14 @@ def _page_row(m):
 
 
 @gluon.jit
+def _row_channel(t, j):
+    """The physical channel of element j (of 32) of lane group t (of 4) in a key row, and of q's
+    registers: two runs of 16, at 16 t and 64 + 16 t, so that the four lane groups of a row read
+    whole 32-byte sectors with each 16-byte load (one run a load)."""
+    return (j // 16) * 64 + t * 16 + j % 16
+
+
+@gluon.jit
 def _arange3(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, layout: gl.constexpr):
     """Index tensors of a [n0, n1, n2] layout, each expanded to rank 3."""
     i0 = gl.arange(0, n0, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
@@ -103,7 +112,7 @@ def _arange3(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, layout: gl.co
 def _q_scaled(Q, bh, M, qk_scale):
     """The M q rows of (row, kv head) bh times qk_scale, fp16 [4, 32, 8] in Q_LOAD (rows past M are 0)."""
     tq, jq, nq = _arange3(4, 32, 8, Q_LOAD)
-    q = gl.load(Q + (bh * M + nq) * D + tq * 32 + jq, mask=nq < M, other=0.0)
+    q = gl.load(Q + (bh * M + nq) * D + _row_channel(tq, jq), mask=nq < M, other=0.0)
     return (q.to(gl.float32) * qk_scale).to(gl.float16)
 
 
@@ -116,7 +125,7 @@ def _wait_then_release():
 @gluon.jit
 def _key_operand(rows):
     """[32, 4, 32] rows loaded in ROW_LOAD -> the key product's A operand [32, 128]: logical channel
-    d = 16 jhi + 4 t + jlo is physical element 32 t + 4 jhi + jlo of the row."""
+    d = 16 jhi + 4 t + jlo is physical channel _row_channel(t, 4 jhi + jlo) of the row."""
     x = gl.reshape(gl.permute(gl.reshape(rows, [32, 4, 8, 4]), [0, 2, 1, 3]), [32, 128])
     return gl.convert_layout(x, OPA)
 
@@ -181,7 +190,7 @@ def _dense_tier(q_b, K, V, s_t, n, m_i, l_tile, corr_tile, acc):
     for t0 in range(0, n, 32):
         rk, tk, jk = _arange3(32, 4, 32, ROW_LOAD)
         tok = t0 + _weights_position(rk)
-        keys = gl.load(K + tok * s_t + tk * 32 + jk, mask=tok < n, other=0.0)
+        keys = gl.load(K + tok * s_t + _row_channel(tk, jk), mask=tok < n, other=0.0)
         tv, gv, cv = _arange3(32, 8, 16, DENSE_VALUE_LOAD)  # (values loaded with the keys: one memory latency a step)
         vals = gl.load(V + (t0 + tv) * s_t + gv * 16 + cv, mask=t0 + tv < n, other=0.0)
         s = mma_v2(_key_operand(keys), q_b, gl.zeros([32, 8], gl.float32, layout=MMA))
@@ -203,8 +212,8 @@ def _pages(PT, pt_row, p0, p1, bh, h, qk_scale, K_CODES, K_SCALE, K_ZERO, K_HIGH
     l_tile = gl.zeros([32, 8], gl.float32, layout=MMA)
     corr_tile = gl.zeros([32, 8], gl.float32, layout=MMA)
     # the physical channel of q's (and the channel factors') registers, as _q_operand labels them
-    ch = (gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, CHANNELS)), 1) * 32
-          + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, CHANNELS)), 0))
+    ch = _row_channel(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, CHANNELS)), 1),
+                      gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, CHANNELS)), 0))
     ones = gl.full([16, 128], 1.0, gl.float16, OPA)
     tok = _page_row(gl.arange(0, 32, layout=ROWS_OF))
     if N_HIGH > 0:
@@ -225,7 +234,7 @@ def _pages(PT, pt_row, p0, p1, bh, h, qk_scale, K_CODES, K_SCALE, K_ZERO, K_HIGH
         page = page_next.to(gl.int64) * H + h  # (page, kv head)
         page_next = gl.load(PT + pt_row + p + 1, mask=p + 1 < p1, other=0)
         rk, tk, jk = _arange3(32, 4, 32, ROW_LOAD)
-        k_raw = gl.load(K_CODES + page * (ROWS * D) + _page_row(rk) * D + tk * 32 + jk)
+        k_raw = gl.load(K_CODES + page * (ROWS * D) + _page_row(rk) * D + _row_channel(tk, jk))
         cv, tv, jv = _arange3(128, 4, 8, VALUE_LOAD)
         v_raw = gl.load(V_CODES + page * (ROWS * D) + cv * ROWS + tv * 8 + jv)
         # keys: channel factors fold into q, the offsets' and zeros' sums are [16, 8] products
