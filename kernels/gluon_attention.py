@@ -95,6 +95,8 @@ def _row_channel(t, j):
     """The physical channel of element j (of 32) of lane group t (of 4) in a key row, and of q's
     registers: two runs of 16, at 16 t and 64 + 16 t, so that the four lane groups of a row read
     whole 32-byte sectors with each 16-byte load (one run a load)."""
+    # (// and %, not >> and &: Triton's contiguity analysis follows only the former, and with
+    # shifts the loads fell apart into single bytes; offline sm_90, session 39)
     return (j // 16) * 64 + t * 16 + j % 16
 
 
