@@ -93,9 +93,15 @@ from quant.layout import Layout
 from .pdl import kernel_options, release_then_wait, wait_then_release
 from .quantize import swapped
 from .reference import Tiers
-from .unpack import LAZY_MAX, _slot_asm
+from .unpack import _slot_asm
 
 LOG2E = 1.4426950408889634
+# The page loop lets the running max lag: weights are 2^(s - m) against a max m that is only
+# raised (rescaling the accumulators) once a logit exceeds it by more than this many powers of
+# two. Weights stay <= 2^LAZY_MAX (far inside fp16), and most steps of a long context skip the
+# rescale of the [D, N] accumulator (the trick of FlashAttention-4). (gluon_attention.py rescales
+# at every page instead: see its _softmax.)
+LAZY_MAX = tl.constexpr(8.0)
 
 
 @constexpr_function

@@ -37,7 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .unpack import LAZY_MAX, _slot_asm
+from .unpack import _slot_asm
 
 D = gl.constexpr(128)
 ROWS = gl.constexpr(32)  # code rows of a 2-bit plane, and tokens a step
@@ -172,15 +172,13 @@ def _unpack(raw, SLOT: gl.constexpr):
 
 @gluon.jit
 def _softmax(s, m_i, l_tile, corr_tile, acc):
-    """Raise the running max m_i [N] by the logits s [T, N], rescaling the sums, lazily (as attention._pages)."""
+    """Raise the running max m_i [N] to cover the logits s [T, N], rescaling the sums, at every step.
+    attention._pages raises it lazily (LAZY_MAX), which skips most rescales but puts a warp-wide test
+    and a branch between a page's key and value products; without them kitty's page loop is 35
+    instructions and 20 registers smaller and its batch-1 / 32k cell 2-4% faster (H100, session 40)."""
     m_new = gl.maximum(m_i, gl.max(s, 0))
-    if gl.max(m_new - m_i, 0) > LAZY_MAX:
-        alpha = gl.expand_dims(gl.exp2(m_i - m_new), 0)
-        acc *= alpha
-        l_tile *= alpha
-        corr_tile *= alpha
-        m_i = m_new
-    return m_i, l_tile, corr_tile, acc
+    alpha = gl.expand_dims(gl.exp2(m_i - m_new), 0)  # m_i starts finite (-1e30): never -inf - -inf
+    return m_new, l_tile * alpha, corr_tile * alpha, acc * alpha
 
 
 @gluon.jit

@@ -1,14 +1,7 @@
 """What both split kernels of decode attention share (attention.py in Triton, gluon_attention.py in
-Gluon): the PTX that turns packed RTN codes into fp16 numbers, and how far the running max may lag."""
+Gluon): the PTX that turns packed RTN codes into fp16 numbers."""
 
-import triton.language as tl
 from triton.runtime.jit import constexpr_function
-
-# The page loop lets the running max lag: weights are 2^(s - m) against a max m that is only
-# raised (rescaling the accumulators) once a logit exceeds it by more than this many powers of
-# two. Weights stay <= 2^LAZY_MAX (far inside fp16), and most steps of a long context skip the
-# rescale of the [D, N] accumulator (the trick of FlashAttention-4).
-LAZY_MAX = tl.constexpr(8.0)
 
 
 @constexpr_function

@@ -225,13 +225,15 @@ def test_triton_attention_rescales_what_the_offsets_left(name: str):
 
 # (format, gqa group, queries per row, rows, splits, extras) for the Gluon split kernel: Kitty's 16
 # and kitty-pro's 32 boosted channels and none, 1 to 8 q rows a kv head, rows in slots, the lse,
-# more splits than a row has pages, and a row longer than 32 pages (two pages a split)
+# more splits than a row has pages, a row longer than 32 pages (two pages a split), and logits so
+# large ("big": q x 30) that the running max jumps on later pages and the rescale must be exact
 GLUON_CASES = [
     ("kitty", 4, 1, "mixed", 3, "slots,lse"),
     ("kitty-pro", 8, 1, "long", 2, ""),
     ("kivi-k2v2", 1, 1, "mixed", 7, "slots"),
     ("kitty", 4, 2, "long", 4, "lse"),
     ("kitty", 4, 1, ([SINK], [45], [100]), 16, ""),
+    ("kitty", 4, 1, "long", 2, "big,lse"),
 ]
 
 
@@ -249,7 +251,7 @@ def test_gluon_split_matches_reference(name, group, queries, rows, splits, extra
     n_sink, n_pages, n_recent = ROWS[rows] if isinstance(rows, str) else rows
     c = make_cache(get_format(name), 2, 128, n_sink, n_pages, n_recent, gen, slots="slots" in opts)
     shape = (len(n_sink), 2 * group) + ((queries,) if queries > 1 else ()) + (128,)
-    q = torch.randn(shape, generator=gen).to(DEVICE, DTYPE)
+    q = ((30 if "big" in opts else 1) * torch.randn(shape, generator=gen)).to(DEVICE, DTYPE)
     want = call(reference.decode_attention, q, c, 128**-0.5, return_lse="lse" in opts)
     monkeypatch.setattr(attention, "_scratch", lambda shape, device: torch.full(shape, float("nan"), device=device))
     launches = []
