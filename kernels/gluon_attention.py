@@ -27,7 +27,7 @@ every key product. Gluon states the layouts, so nothing here touches shared memo
   sum_d qf[d] is an all-ones A against q's operand, sum_d q[d] zero[d] is the zero row against
   q; each comes out broadcast over 16 rows, already in the logits' layout.
 The FP16 sink and recent tiers are small MMAs on the same layouts (_dense_tier).
-Offline (scripts/sass.py's method): 1535 instructions a kitty page against _split_kernel's 1912.
+Offline (scripts/sass.py's method): 1521 instructions a kitty page against _split_kernel's 1912.
 """
 
 from __future__ import annotations
