@@ -57,14 +57,15 @@ logits (keys) or the softmax weights (values), each step's loaded straight into 
 by a pure asm load (_page_token_factors). Kitty's boosted channels add one more small
 product per step: their high-bit plane against q gathered at the boosted ids (x 4 x scale).
 
-Pipelining: where every packed plane is one step's rows (the 2-bit RTN formats) and a split walks
-at least PIPELINE_MIN_PAGES pages, the page loop alone runs with Triton's num_stages=2, which copies
-the next page's code planes, channel scales and boosted plane into shared memory (cp.async) while
-this page computes (_page_stages). The FP16 tiers' loops are never pipelined. Where a split walks
-only two pages (batch 1 at long contexts) the loop is not pipelined, and every split starts at once
-and loads its first page in the same burst; there, once a page's keys have arrived, the next page's
-fields are prefetched into the L2 (cp.async.bulk.prefetch, _prefetch_page), so that they stream in
-while this page computes instead of in a second burst (PREFETCH).
+Pipelining: in launches of many (row, kv head) pairs where every packed plane is one step's rows
+(the 2-bit RTN formats) and a split walks at least PIPELINE_MIN_PAGES pages, the page loop alone
+runs with Triton's num_stages=2, which copies the next page's code planes, channel scales and
+boosted plane into shared memory (cp.async) while this page computes (_page_stages). The FP16
+tiers' loops are never pipelined. In launches of few pairs (batch 1 to 8 of Llama-3's 8 kv heads)
+the loop is not pipelined, and every split starts at once and loads its first page in the same
+burst; there, once a page's keys have arrived, the next page's fields are prefetched into the L2
+(cp.async.bulk.prefetch, _prefetch_page), so that they stream in while this page computes instead
+of in a second burst (PREFETCH).
 
 The cache's extras: `slots` (batch row b reads slot slots[b] of the page table and the dense
 buffers), a sliding `window` (tokens older than a query's window are masked, whole pages of
@@ -992,6 +993,14 @@ PROGRAMS_PER_SM = 32
 NF4_PROGRAMS_PER_SM = 64
 RESIDENT_PER_SM = 8  # every format's split kernel compiles to 255 registers (scripts/sass.py)
 MIN_PAGES_PER_SPLIT = 2
+# One wave of longer splits where the lockstep model (_wave_pages) makes it this much shorter than the
+# counts near PROGRAMS_PER_SM. Those counts are many short splits in several waves; with the long rows
+# of batch 1 / 64k-128k, or batches 2-16, one wave was faster (Llama-3-8B shape, H100, session 43, us,
+# auto before -> after: batch 1 / 64k kitty 30.3 -> 27.0 (2 pages a split -> 4), 128k 56.1 -> 45.7 (2 -> 8);
+# batch 2 / 32k kitty 31.2 -> 28.2 (with the loop not pipelined, PIPELINE_MIN_PAGES); batch 16 / 32k kvarn
+# 191 -> 167). At batch 64 / 32k (2 splits of 127 pages against 8 of 32: 3% by the model) kitty-pro
+# lost 0.5-0.8%, so the margin keeps that launch.
+ONE_WAVE_MARGIN = 0.95
 # Short rows (up to 4k tokens) split one page per program, and the FP16 recent tier (up to 255
 # tokens) is split over 4 programs, so that no program walks more than ~4 dependent steps: a
 # short context is latency-bound, and this halved batch 1 at 512 tokens (README); long rows keep
@@ -1041,7 +1050,14 @@ PIPELINE_STAGES = 2
 # at a time (kivi-k4v4 / kvmix +6-13%), NF4 (+14%) and FP16 pages (32 KB a head: +27%, and +71% at
 # batch 64 where they overflow the L2).
 PREFETCH = os.environ.get("NANOKV_PREFETCH", "1") != "0"
-PIPELINE_MIN_PAGES = 3
+# Splits pipelined from this many pages, and only in launches of many pairs: in few-pair launches the
+# L2 prefetch beat the pipeline at every split length, and at 4 pages a split it did in many-pair ones
+# for Kitty and KVarN (Llama-3-8B shape, H100, session 43, us, the splits of the one-wave rule,
+# pipelined -> not: batch 2 / 32k, 4 pages: kitty 31.8 -> 28.2, kitty-pro 33.5 -> 29.3, kvarn 35.0 ->
+# 31.0, kivi-k2v2 27.2 -> 26.1; batch 8 / 32k, 16 pages: kitty 83.6 -> 81.7, kivi-k2v2 74.9 -> 70.9;
+# batch 16 / 4k, 4 pages: kitty 39.0 -> 36.9, kvarn 41.8 -> 39.9, kivi-k2v2 34.2 -> 35.8; but batch 16 /
+# 32k, 32 pages: kitty 156.7 -> 165.6, batch 64 / 4k, 15 pages: kivi-k2v2 98.8 -> 108.4).
+PIPELINE_MIN_PAGES = 8
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
 # splits (133 parts at 32k) should take one round.
 MERGE_CHUNK = 256
@@ -1079,8 +1095,9 @@ def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: 
     """Page splits per (row, kv head) for rows of up to max_pages pages and `programs` (row, kv head,
     query block) triples: about enough programs to fill the GPU PROGRAMS_PER_SM times, at least
     MIN_PAGES_PER_SPLIT pages each, and with fill_waves, of the counts near that the one whose
-    waves of resident programs are fullest (_wave_pages). Splits divide each row's own pages, so
-    max_pages (e.g. the page table's width under a CUDA graph) only caps the count."""
+    waves of resident programs are fullest (_wave_pages), or the count that makes one wave of
+    longer splits where that is ONE_WAVE_MARGIN shorter still. Splits divide each row's own pages,
+    so max_pages (e.g. the page table's width under a CUDA graph) only caps the count."""
     if max_pages == 0:
         return 1
     sms = _sm_count(device)
@@ -1107,7 +1124,12 @@ def _split_count(max_pages: int, programs: int, want: int, least: int, resident:
     if not resident:
         return max(1, min(want, most))
     near = range(max(1, min(most, -(-3 * want // 4))), min(most, 2 * want) + 1)
-    return min(near, key=lambda s: (_wave_pages(s, max_pages, least, programs, resident), abs(s - want)))
+    best = min(near, key=lambda s: (_wave_pages(s, max_pages, least, programs, resident), abs(s - want)))
+    one_wave = max(1, min(most, resident // programs))  # the most splits whose programs all fit at once
+    if (_wave_pages(one_wave, max_pages, least, programs, resident)
+            <= ONE_WAVE_MARGIN * _wave_pages(best, max_pages, least, programs, resident)):
+        return one_wave
+    return best
 
 
 def _wave_pages(splits: int, pages: int, least: int, programs: int, resident: int) -> int:
@@ -1153,9 +1175,11 @@ def _whole_planes(kl: Layout, vl: Layout, step: int) -> bool:
     return all(lay.bits != 16 and not lay.nf4 and lay.rows == step for lay in (kl, vl))
 
 
-def _page_stages(kl: Layout, vl: Layout, step: int, pages_per_split: int) -> int:
-    """Triton num_stages for the page loop (PIPELINE_STAGES where it pays, else 1: not pipelined)."""
-    return PIPELINE_STAGES if _whole_planes(kl, vl, step) and pages_per_split >= PIPELINE_MIN_PAGES else 1
+def _page_stages(kl: Layout, vl: Layout, step: int, pages_per_split: int, few_rows: bool) -> int:
+    """Triton num_stages for the page loop (PIPELINE_STAGES where it pays, else 1: not pipelined);
+    few_rows: the launch has fewer (row, kv head) pairs than half the SMs (there the L2 prefetch pays)."""
+    pays = _whole_planes(kl, vl, step) and pages_per_split >= PIPELINE_MIN_PAGES and not few_rows
+    return PIPELINE_STAGES if pays else 1
 
 
 def _prefetches(kl: Layout, vl: Layout, step: int, pages_per_split: int, page_stages: int, few_rows: bool) -> bool:
@@ -1244,7 +1268,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     swap = SWAP if launch.swap is None else launch.swap
     max_pages = page_table.shape[1]  # the longest row the table holds: what the split count was sized for
     pages_per_split = _split_pages(max_pages, num_splits, _least_pages(max_pages, launch.min_pages))
-    stages = launch.page_stages or _page_stages(kl, vl, step, pages_per_split)
+    stages = launch.page_stages or _page_stages(kl, vl, step, pages_per_split, not many_rows)
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
     prefetch = (not INTERPRETED) and (_prefetches(kl, vl, step, pages_per_split, stages, not many_rows)
                                       if launch.prefetch is None else launch.prefetch)

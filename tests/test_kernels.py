@@ -416,15 +416,19 @@ def test_split_count_does_not_change_the_result(name, window, lse, short_pages, 
 
 
 @pytest.mark.parametrize("batch,pages,want", [
-    (1, 256, 128),  # 32k: 2 pages a split at least; 8 x 128 programs are one wave
-    (16, 256, 33),  # 33 (32 of them live) of 8 pages: 4096 programs, 4 waves x (8 + 1)
-    (64, 256, 8),   # 9 of 29 pages: 4608 programs, 5 waves x (29 + 1) = 150; 8 of 32: 4096, 4 x 33 = 132
-    (296, 64, 4),   # 2 of 32: 4736, 5 x 33 = 165; 3 of 22: 7 x 23 = 161; 4 of 16: 9472, 9 x 17 = 153
+    (1, 256, 128),   # 32k: 2 pages a split at least; 8 x 128 programs are one wave
+    (1, 512, 132),   # 64k: 256 of 2 pages are 2 waves x (2 + 1) = 6; 132 of 4 (128 live) one wave, 5
+    (1, 1024, 132),  # 128k: 512 of 2: 4 x 3 = 12; 132 of 8: 1 x 9 = 9
+    (16, 256, 8),    # 33 (32 live) of 8 pages: 4096 programs, 4 waves x (8 + 1) = 36; 8 of 32: one wave, 33
+    (64, 256, 8),    # 9 of 29 pages: 4608 programs, 5 waves x (29 + 1) = 150; 8 of 32: 4096, 4 x 33 = 132;
+                     # one wave (2 of 128) 129, not ONE_WAVE_MARGIN below 132
+    (296, 64, 4),    # 2 of 32: 4736, 5 x 33 = 165; 3 of 22: 7 x 23 = 161; 4 of 16: 9472, 9 x 17 = 153
 ])
 def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
     """The split rule on an H100's 132 SMs (8 resident one-warp programs each, 1056 in all) for
     Llama-3-8B's 8 kv heads: the counts worked out by hand from the lockstep-wave arithmetic
-    (waves x (pages a split + one page of fixed cost)); NF4 formats keep the plain count (9)."""
+    (waves x (pages a split + one page of fixed cost)), the one-wave count taken where it is 5%
+    shorter; NF4 formats keep the plain count (9)."""
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
     assert attention.default_splits(pages, batch * 8, torch.device("cpu")) == want
     if batch == 64:
@@ -432,30 +436,34 @@ def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
 
 
 @pytest.mark.parametrize("name,batch,pages,want", [
-    ("kitty", 16, 256, 2),      # 33 splits of 8 pages
+    ("kitty", 16, 256, 2),      # 8 splits of 32 pages, 128 (row, kv head) pairs
     ("kitty-pro", 296, 64, 2),  # 4 splits of 16
     ("kvarn", 64, 256, 2),      # 8 splits of 32
     ("kivi-k2v2", 16, 256, 2),
     ("kitty", 1, 256, 1),       # 128 splits of 2 pages: too few to overlap
-    ("kitty", 16, 32, 1),       # a short row: one page a split
+    ("kitty", 1, 1024, 1),      # 132 of 8, but 8 pairs: the L2 prefetch instead
+    ("kitty", 4, 256, 1),       # 33 of 8, 32 pairs
+    ("kitty", 16, 30, 1),       # a short row: 8 splits of 4 pages
     ("kivi-k4v4", 16, 256, 1),  # 4-bit planes are read a block of rows at a time
     ("nqkv", 16, 256, 1),
     ("fp16", 16, 256, 1),
 ])
 def test_page_loop_pipelined_where_it_pays(name, batch, pages, want, monkeypatch):
     """The pipelining rule on an H100 (132 SMs, the split counts of the test above) for Llama-3-8B's
-    shape: 2-bit RTN planes of one step's rows, and at least PIPELINE_MIN_PAGES pages a split."""
+    shape: 2-bit RTN planes of one step's rows, at least PIPELINE_MIN_PAGES pages a split, and at
+    least half as many (row, kv head) pairs as SMs."""
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
     kl, vl = attention._layouts(get_format(name), 8, 128)
     splits = attention.default_splits(pages, batch * 8, torch.device("cpu"))
     step = attention._step(kl, vl)
     per = attention._split_pages(pages, splits, attention._least_pages(pages, None))
-    assert attention._page_stages(kl, vl, step, per) == want
+    assert attention._page_stages(kl, vl, step, per, 2 * batch * 8 < 132) == want
 
 
 @pytest.mark.parametrize("name,batch,pages,want", [
     ("kitty", 1, 256, True),        # 128 splits of 2 pages, 8 (row, kv head) pairs
-    ("kitty", 1, 1024, True),       # a CUDA graph's table for 128k positions: 512 splits of 2
+    ("kitty", 1, 1024, True),       # a CUDA graph's table for 128k positions: 132 splits of 8
+    ("kitty", 4, 256, True),        # 33 splits of 8, 32 pairs
     ("kitty-pro", 1, 256, True),
     ("kivi-k2v2", 1, 256, True),
     ("kvarn", 1, 256, True),
@@ -474,7 +482,7 @@ def test_next_page_prefetched_where_it_pays(name, batch, pages, want, monkeypatc
     splits = attention.default_splits(pages, batch * 8, torch.device("cpu"))
     step = attention._step(kl, vl)
     per = attention._split_pages(pages, splits, attention._least_pages(pages, None))
-    stages = attention._page_stages(kl, vl, step, per)
+    stages = attention._page_stages(kl, vl, step, per, 2 * batch * 8 < 132)
     assert attention._prefetches(kl, vl, step, per, stages, 2 * batch * 8 < 132) == want
 
 
