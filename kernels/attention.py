@@ -993,14 +993,21 @@ PROGRAMS_PER_SM = 32
 NF4_PROGRAMS_PER_SM = 64
 RESIDENT_PER_SM = 8  # every format's split kernel compiles to 255 registers (scripts/sass.py)
 MIN_PAGES_PER_SPLIT = 2
-# One wave of longer splits where the lockstep model (_wave_pages) makes it this much shorter than the
-# counts near PROGRAMS_PER_SM. Those counts are many short splits in several waves; with the long rows
-# of batch 1 / 64k-128k, or batches 2-16, one wave was faster (Llama-3-8B shape, H100, session 43, us,
-# auto before -> after: batch 1 / 64k kitty 30.3 -> 27.0 (2 pages a split -> 4), 128k 56.1 -> 45.7 (2 -> 8);
-# batch 2 / 32k kitty 31.2 -> 28.2 (with the loop not pipelined, PIPELINE_MIN_PAGES); batch 16 / 32k kvarn
-# 191 -> 167). At batch 64 / 32k (2 splits of 127 pages against 8 of 32: 3% by the model) kitty-pro
-# lost 0.5-0.8%, so the margin keeps that launch.
+# One wave of longer splits instead of the counts near PROGRAMS_PER_SM (many short splits in several
+# waves) where it fills at least ONE_WAVE_MIN_FILL of the resident slots, the lockstep model
+# (_wave_pages) makes it ONE_WAVE_MARGIN shorter, and either the launch has few (row, kv head) pairs or
+# its splits walk ONE_WAVE_MIN_PAGES pages or more. Llama-3-8B shape, H100, session 43, us, before ->
+# after: batch 1 / 64k kitty 30.3 -> 27.0 (2 pages a split -> 4), 128k 56.1 -> 45.7 (2 -> 8); batch 2 / 32k
+# kitty 31.2 -> 28.2 (4 pages, not pipelined: PIPELINE_MIN_PAGES); batch 8 / 8k kvarn 39.2 -> 34.6; batch
+# 16 / 32k kvarn 191 -> 167 (8 -> 32); batch 64 / 4k kivi-k2v2 104 -> 96 (5 -> 15); batch 128 / 4k kitty
+# 207 -> 178. Where it lost: batch 24 / 4k, 5 splits of 6 pages, kitty 51.9 -> 54.8 and batch 16 / 4k, 8 of
+# 4, kitty 37.7 -> 39.1 (so many-pair launches need the longer splits); batch 37 / 8k, 3 of 21 (888 of 1056
+# slots), kitty 113.5 -> 116.5, kivi-k2v2 101.7 -> 104.6 but kvarn 134.3 -> 124.6, and batch 48 / 8k, 2 of 31
+# (768 slots), kitty 140.5 -> 159.1 (the fill); batch 64 / 32k, 2 of 127 against 8 of 32 (3% by the model),
+# kitty-pro +0.5-0.8% (the margin).
+ONE_WAVE_MIN_FILL = 0.9
 ONE_WAVE_MARGIN = 0.95
+ONE_WAVE_MIN_PAGES = 8
 # Short rows (up to 4k tokens) split one page per program, and the FP16 recent tier (up to 255
 # tokens) is split over 4 programs, so that no program walks more than ~4 dependent steps: a
 # short context is latency-bound, and this halved batch 1 at 512 tokens (README); long rows keep
@@ -1050,14 +1057,13 @@ PIPELINE_STAGES = 2
 # at a time (kivi-k4v4 / kvmix +6-13%), NF4 (+14%) and FP16 pages (32 KB a head: +27%, and +71% at
 # batch 64 where they overflow the L2).
 PREFETCH = os.environ.get("NANOKV_PREFETCH", "1") != "0"
-# Splits pipelined from this many pages, and only in launches of many pairs: in few-pair launches the
-# L2 prefetch beat the pipeline at every split length, and at 4 pages a split it did in many-pair ones
-# for Kitty and KVarN (Llama-3-8B shape, H100, session 43, us, the splits of the one-wave rule,
-# pipelined -> not: batch 2 / 32k, 4 pages: kitty 31.8 -> 28.2, kitty-pro 33.5 -> 29.3, kvarn 35.0 ->
-# 31.0, kivi-k2v2 27.2 -> 26.1; batch 8 / 32k, 16 pages: kitty 83.6 -> 81.7, kivi-k2v2 74.9 -> 70.9;
-# batch 16 / 4k, 4 pages: kitty 39.0 -> 36.9, kvarn 41.8 -> 39.9, kivi-k2v2 34.2 -> 35.8; but batch 16 /
-# 32k, 32 pages: kitty 156.7 -> 165.6, batch 64 / 4k, 15 pages: kivi-k2v2 98.8 -> 108.4).
-PIPELINE_MIN_PAGES = 8
+# Splits pipelined from this many pages, and only in launches of many (row, kv head) pairs: in few-pair
+# launches the L2 prefetch beat the pipeline at every split length (Llama-3-8B shape, H100, session 43,
+# us, pipelined -> not: batch 2 / 32k, 4 pages a split: kitty 31.8 -> 28.2, kitty-pro 33.5 -> 29.3, kvarn
+# 35.0 -> 31.0, kivi-k2v2 27.2 -> 26.1; batch 8 / 32k, 16 pages: kitty 83.6 -> 81.7, kivi-k2v2 74.9 -> 70.9;
+# batch 1 / 128k, 8 pages: kvarn 51.6 -> 46.4). In many-pair launches it pays from 3 pages (batch 52 / 4k,
+# 3 pages, not pipelined: kivi-k2v2 89.4 -> 97.9).
+PIPELINE_MIN_PAGES = 3
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
 # splits (133 parts at 32k) should take one round.
 MERGE_CHUNK = 256
@@ -1095,14 +1101,15 @@ def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: 
     """Page splits per (row, kv head) for rows of up to max_pages pages and `programs` (row, kv head,
     query block) triples: about enough programs to fill the GPU PROGRAMS_PER_SM times, at least
     MIN_PAGES_PER_SPLIT pages each, and with fill_waves, of the counts near that the one whose
-    waves of resident programs are fullest (_wave_pages), or the count that makes one wave of
-    longer splits where that is ONE_WAVE_MARGIN shorter still. Splits divide each row's own pages,
-    so max_pages (e.g. the page table's width under a CUDA graph) only caps the count."""
+    waves of resident programs are fullest (_wave_pages), or one wave of longer splits where that
+    pays (ONE_WAVE_MIN_FILL). Splits divide each row's own pages, so max_pages (e.g. the page table's
+    width under a CUDA graph) only caps the count."""
     if max_pages == 0:
         return 1
     sms = _sm_count(device)
     return _split_count(max_pages, programs, -(-(per_sm or PROGRAMS_PER_SM) * sms // programs),
-                        _least_pages(max_pages, min_pages), RESIDENT_PER_SM * sms if fill_waves else 0)
+                        _least_pages(max_pages, min_pages), RESIDENT_PER_SM * sms if fill_waves else 0,
+                        2 * programs < sms)
 
 
 def _least_pages(max_pages: int, min_pages: int | None) -> int:
@@ -1116,17 +1123,21 @@ def _split_pages(pages: int, splits: int, least: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _split_count(max_pages: int, programs: int, want: int, least: int, resident: int) -> int:
+def _split_count(max_pages: int, programs: int, want: int, least: int, resident: int, few_rows: bool) -> int:
     """default_splits for `want` splits aimed at and `resident` programs at once (0: no wave
-    search), cached: the search tries up to ~130 counts, and an eager launch (no CUDA graph)
-    asks once a layer and step (60 us a call at batch 1 with a 1024-page table)."""
+    search) in a launch of few (row, kv head) pairs or not, cached: the search tries up to ~130
+    counts, and an eager launch (no CUDA graph) asks once a layer and step (60 us a call at batch 1
+    with a 1024-page table)."""
     most = -(-max_pages // least)
     if not resident:
         return max(1, min(want, most))
     near = range(max(1, min(most, -(-3 * want // 4))), min(most, 2 * want) + 1)
     best = min(near, key=lambda s: (_wave_pages(s, max_pages, least, programs, resident), abs(s - want)))
     one_wave = max(1, min(most, resident // programs))  # the most splits whose programs all fit at once
-    if (_wave_pages(one_wave, max_pages, least, programs, resident)
+    per = _split_pages(max_pages, one_wave, least)
+    if (programs * -(-max_pages // per) >= ONE_WAVE_MIN_FILL * resident
+            and (few_rows or per >= ONE_WAVE_MIN_PAGES)
+            and _wave_pages(one_wave, max_pages, least, programs, resident)
             <= ONE_WAVE_MARGIN * _wave_pages(best, max_pages, least, programs, resident)):
         return one_wave
     return best

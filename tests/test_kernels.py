@@ -420,6 +420,9 @@ def test_split_count_does_not_change_the_result(name, window, lse, short_pages, 
     (1, 512, 132),   # 64k: 256 of 2 pages are 2 waves x (2 + 1) = 6; 132 of 4 (128 live) one wave, 5
     (1, 1024, 132),  # 128k: 512 of 2: 4 x 3 = 12; 132 of 8: 1 x 9 = 9
     (16, 256, 8),    # 33 (32 live) of 8 pages: 4096 programs, 4 waves x (8 + 1) = 36; 8 of 32: one wave, 33
+    (16, 30, 29),    # 4k: 29 of 2 (15 live), 2 waves x 3 = 6; 8 of 4 would be 5, but 128 pairs need 8 pages
+    (52, 64, 10),    # 10 of 7: 3744 programs, 4 x 8 = 32; one wave (2 of 32) 33
+    (37, 62, 15),    # 15 of 5 (13 live): 3848 programs, 4 x 6 = 24; 3 of 21 would be 22, but 888 programs
     (64, 256, 8),    # 9 of 29 pages: 4608 programs, 5 waves x (29 + 1) = 150; 8 of 32: 4096, 4 x 33 = 132;
                      # one wave (2 of 128) 129, not ONE_WAVE_MARGIN below 132
     (296, 64, 4),    # 2 of 32: 4736, 5 x 33 = 165; 3 of 22: 7 x 23 = 161; 4 of 16: 9472, 9 x 17 = 153
@@ -428,7 +431,8 @@ def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
     """The split rule on an H100's 132 SMs (8 resident one-warp programs each, 1056 in all) for
     Llama-3-8B's 8 kv heads: the counts worked out by hand from the lockstep-wave arithmetic
     (waves x (pages a split + one page of fixed cost)), the one-wave count taken where it is 5%
-    shorter; NF4 formats keep the plain count (9)."""
+    shorter, fills 90% of the slots, and (in launches of many pairs) walks 8 pages or more; NF4
+    formats keep the plain count (9)."""
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
     assert attention.default_splits(pages, batch * 8, torch.device("cpu")) == want
     if batch == 64:
@@ -443,7 +447,8 @@ def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
     ("kitty", 1, 256, 1),       # 128 splits of 2 pages: too few to overlap
     ("kitty", 1, 1024, 1),      # 132 of 8, but 8 pairs: the L2 prefetch instead
     ("kitty", 4, 256, 1),       # 33 of 8, 32 pairs
-    ("kitty", 16, 30, 1),       # a short row: 8 splits of 4 pages
+    ("kitty", 16, 30, 1),       # a short row: 29 splits of 2 pages
+    ("kitty", 48, 30, 2),       # 9 splits of 4, 384 pairs
     ("kivi-k4v4", 16, 256, 1),  # 4-bit planes are read a block of rows at a time
     ("nqkv", 16, 256, 1),
     ("fp16", 16, 256, 1),
@@ -451,7 +456,7 @@ def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
 def test_page_loop_pipelined_where_it_pays(name, batch, pages, want, monkeypatch):
     """The pipelining rule on an H100 (132 SMs, the split counts of the test above) for Llama-3-8B's
     shape: 2-bit RTN planes of one step's rows, at least PIPELINE_MIN_PAGES pages a split, and at
-    least half as many (row, kv head) pairs as SMs."""
+    least half as many (row, kv head) pairs as SMs (fewer take the L2 prefetch instead)."""
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
     kl, vl = attention._layouts(get_format(name), 8, 128)
     splits = attention.default_splits(pages, batch * 8, torch.device("cpu"))
