@@ -999,9 +999,10 @@ MIN_PAGES_PER_SPLIT = 2
 # its splits walk ONE_WAVE_MIN_PAGES pages or more. Llama-3-8B shape, H100, session 43, us, before ->
 # after: batch 1 / 64k kitty 30.3 -> 27.0 (2 pages a split -> 4), 128k 56.1 -> 45.7 (2 -> 8); batch 2 / 32k
 # kitty 31.2 -> 28.2 (4 pages, not pipelined: PIPELINE_MIN_PAGES); batch 8 / 8k kvarn 39.2 -> 34.6; batch
-# 16 / 32k kvarn 191 -> 167 (8 -> 32); batch 64 / 4k kivi-k2v2 104 -> 96 (5 -> 15); batch 128 / 4k kitty
+# 16 / 32k kvarn 191 -> 167 (8 -> 32); batch 64 / 4k kivi-k2v2 104 -> 97 (5 -> 15); batch 128 / 4k kitty
 # 207 -> 178. Where it lost: batch 24 / 4k, 5 splits of 6 pages, kitty 51.9 -> 54.8 and batch 16 / 4k, 8 of
-# 4, kitty 37.7 -> 39.1 (so many-pair launches need the longer splits); batch 37 / 8k, 3 of 21 (888 of 1056
+# 4 pipelined, kitty 37.8 -> 39.2 (so many-pair launches need the longer splits; not pipelined that cell
+# gained, 36.9, but 3-4 page splits in several waves need the pipeline); batch 37 / 8k, 3 of 21 (888 of 1056
 # slots), kitty 113.5 -> 116.5, kivi-k2v2 101.7 -> 104.6 but kvarn 134.3 -> 124.6, and batch 48 / 8k, 2 of 31
 # (768 slots), kitty 140.5 -> 159.1 (the fill); batch 64 / 32k, 2 of 127 against 8 of 32 (3% by the model),
 # kitty-pro +0.5-0.8% (the margin).
