@@ -1110,7 +1110,13 @@ def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: 
     sms = _sm_count(device)
     return _split_count(max_pages, programs, -(-(per_sm or PROGRAMS_PER_SM) * sms // programs),
                         _least_pages(max_pages, min_pages), RESIDENT_PER_SM * sms if fill_waves else 0,
-                        2 * programs < sms)
+                        _few_rows(programs, device))
+
+
+def _few_rows(pairs: int, device: torch.device) -> bool:
+    """Whether a launch of `pairs` (row, kv head, query block) triples has fewer than half as many as
+    SMs: their splits all start together, which decides the split count, pipelining and the L2 prefetch."""
+    return 2 * pairs < _sm_count(device)
 
 
 def _least_pages(max_pages: int, min_pages: int | None) -> int:
@@ -1260,7 +1266,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         num_splits = 0 if num_splits == 1 else num_splits  # one split: no partials, no merge
     one = num_splits == 0
     # (row, kv head) pairs for at least half the SMs: their splits come in several waves
-    many_rows = 2 * B * H * n_blocks >= _sm_count(q.device)
+    many_rows = not _few_rows(B * H * n_blocks, q.device)
     crowded = many_rows and not plain
     tiers = 1 + (launch.recent_parts or (1 if crowded else RECENT_PARTS))
     n_parts = 1 if one else num_splits + tiers
