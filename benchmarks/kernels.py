@@ -78,7 +78,8 @@ def attention_inputs(kv: str, batch: int, context: int, q_heads: int = 32, kv_he
 # dash-separated fields of attention.Launch: w<num_warps> s<step> p<num_stages> n<block_n>
 # k<num_splits> m<programs_per_sm> g<min_pages per split> t<recent_parts> r<maxnreg>
 # u<softmax_steps: steps per softmax update> l<page_stages: the page loop's own num_stages, 1 = not
-# pipelined>, "noasm" (Triton's integer ops instead of the PTX unpack), "nopf" (no L2 prefetch of the next page)
+# pipelined>, "noasm" (Triton's integer ops instead of the PTX unpack), "nopf" / "pf" (no L2 prefetch of the next page /
+# the prefetch wherever the kernel can issue it, whatever the default rule says)
 # and "gl" / "nogl" (the Gluon split kernel wherever it applies / never: attention.Launch.gluon),
 # e.g. "w2-s32-p3" or "n8-u1". Every variant is launched without programmatic dependent
 # launch (kernels/pdl.py), so that a timed call never overlaps the one before it in the ring.
@@ -94,15 +95,15 @@ def variant(spec: str) -> attention.Launch:
     for part in spec.split("-"):
         if part == "noasm":
             fields["asm"] = False
-        elif part == "nopf":
-            fields["prefetch"] = False
+        elif part in ("pf", "nopf"):
+            fields["prefetch"] = part == "pf"
         elif part in ("gl", "nogl"):
             fields["gluon"] = part == "gl"
         elif part[:1] in _FIELDS and part[1:].isdigit():
             fields[_FIELDS[part[0]]] = int(part[1:])
         else:
             raise ValueError(f"unknown kernel variant field {part!r} in {spec!r} "
-                             f"(fields: {', '.join(_FIELDS)}, noasm, nopf, gl, nogl)")
+                             f"(fields: {', '.join(_FIELDS)}, noasm, pf, nopf, gl, nogl)")
     return attention.Launch(pdl=False, **fields)
 
 

@@ -1009,6 +1009,28 @@ MIN_PAGES_PER_SPLIT = 2
 ONE_WAVE_MIN_FILL = 0.9
 ONE_WAVE_MARGIN = 0.95
 ONE_WAVE_MIN_PAGES = 8
+# In a launch of many pairs the split programs share the slots with the FP16 tiers' programs, one a
+# pair for the recent tier (up to 255 tokens, at four times a 2-bit page's bytes a token) and one for
+# the sink, and the block scheduler hands out slots in launch order: the tiers first, then split by
+# split. So a count whose splits alone fill one wave leaves the last split's programs waiting a whole
+# program. _makespan schedules the programs that way, each costing its pages plus PROGRAM_PAGES (the
+# recent tier RECENT_TIER_PAGES, the sink SINK_PAGES), and the launch takes the count of at most one
+# wave that it makes shortest where that is ONE_WAVE_MARGIN shorter than the rule above's. Fitted to
+# 22 pairs of counts timed against each other (batches 12-64, 4k-32k, sessions 43-44): it makes the
+# other count 5% shorter exactly where that measured faster, leaving aside pairs within 2%. Checked against the rule above in one process
+# (Llama-3-8B shape, H100, session 44, us, kitty / kivi-k2v2 / kvarn / fp16, before -> after): batch 9
+# / 4k, 30 splits of 1 -> 10 of 3 (not pipelined: _starts_together), 26.8 -> 23.1, 26.0 -> 23.1, 30.8
+# -> 25.4, 62.3 -> 58.4; batch 12 / 4k, 30 of 1 -> 8 of 4, 32.9 -> 28.5, 32.0 -> 25.9, 38.4 -> 31.8,
+# 79.2 -> 76.7; batch 12 / 8k, 31 of 2 -> 9 of 7, 48.1 -> 42.2, 48.4 -> 37.3, 54.2 -> 45.5; batch 14 /
+# 32000, 30 of 9 -> 9 of 28, 138.1 -> 136.4, 121.7 -> 117.5, 161.6 -> 143.6; batch 32 / 32k, 16 of 16
+# -> 4 of 64, 298.9 -> 295.9, 266.8 -> 259.4, 332.6 -> 312.6; batch 10 / 128k, 53 of 20 -> 13 of 79,
+# 358.0 -> 353.6, 313.3 -> 304.8, 396.5 -> 369.6; and where it lost, batch 52 / 4k, 11 of 3 -> 2 of 15
+# (79% of the slots), 97.3 -> 98.8, 89.9 -> 91.3, but 114.1 -> 107.4 and 312.2 -> 306.8. It keeps the
+# rule above's count at batch 40 / 4k (3 of 10; 2 of 15 measured 76.6 -> 83.4 us for kitty), 24 / 8k
+# (5 of 13; 4 of 16 75.5 -> 81.1) and 48 / 8k (11 of 6; 2 of 31 140.5 -> 159.1).
+PROGRAM_PAGES = 1.5
+RECENT_TIER_PAGES = 3.0
+SINK_PAGES = 0.25
 # Short rows (up to 4k tokens) split one page per program, and the FP16 recent tier (up to 255
 # tokens) is split over 4 programs, so that no program walks more than ~4 dependent steps: a
 # short context is latency-bound, and this halved batch 1 at 512 tokens (README); long rows keep
@@ -1058,12 +1080,14 @@ PIPELINE_STAGES = 2
 # at a time (kivi-k4v4 / kvmix +6-13%), NF4 (+14%) and FP16 pages (32 KB a head: +27%, and +71% at
 # batch 64 where they overflow the L2).
 PREFETCH = os.environ.get("NANOKV_PREFETCH", "1") != "0"
-# Splits pipelined from this many pages, and only in launches of many (row, kv head) pairs: in few-pair
-# launches the L2 prefetch beat the pipeline at every split length (Llama-3-8B shape, H100, session 43,
-# us, pipelined -> not: batch 2 / 32k, 4 pages a split: kitty 31.8 -> 28.2, kitty-pro 33.5 -> 29.3, kvarn
-# 35.0 -> 31.0, kivi-k2v2 27.2 -> 26.1; batch 8 / 32k, 16 pages: kitty 83.6 -> 81.7, kivi-k2v2 74.9 -> 70.9;
-# batch 1 / 128k, 8 pages: kvarn 51.6 -> 46.4). In many-pair launches it pays from 3 pages (batch 52 / 4k,
-# 3 pages, not pipelined: kivi-k2v2 89.4 -> 97.9).
+# Splits pipelined from this many pages, and only in launches whose page programs do not all start at
+# once (_starts_together): where they do, the L2 prefetch beat the pipeline at every split length
+# (Llama-3-8B shape, H100, us, pipelined -> not. Session 43, few pairs: batch 2 / 32k, 4 pages a split:
+# kitty 31.8 -> 28.2, kitty-pro 33.5 -> 29.3, kvarn 35.0 -> 31.0, kivi-k2v2 27.2 -> 26.1; batch 8 / 32k, 16
+# pages: kitty 83.6 -> 81.7, kivi-k2v2 74.9 -> 70.9; batch 1 / 128k, 8 pages: kvarn 51.6 -> 46.4. Session
+# 44, many pairs in one wave, kitty / kivi-k2v2 / kvarn: batch 16 / 8k, 9 pages: 54.8 -> 53.2, 47.6 ->
+# 47.1, 60.7 -> 56.8; batch 14 / 8k, 8 pages: 49.5 -> 47.5, 42.9 -> 42.4, 55.0 -> 51.6). Launches in
+# several waves pipeline from 3 pages (batch 52 / 4k, 3 pages, not pipelined: kivi-k2v2 89.4 -> 97.9).
 PIPELINE_MIN_PAGES = 3
 # Partials the merge reads per load: at batch 1 its few programs are latency-bound, so a row's
 # splits (133 parts at 32k) should take one round.
@@ -1146,8 +1170,12 @@ def _split_count(max_pages: int, programs: int, want: int, least: int, resident:
             and (few_rows or per >= ONE_WAVE_MIN_PAGES)
             and _wave_pages(one_wave, max_pages, least, programs, resident)
             <= ONE_WAVE_MARGIN * _wave_pages(best, max_pages, least, programs, resident)):
-        return one_wave
-    return best
+        best = one_wave
+    if few_rows:
+        return best
+    span = functools.partial(_makespan, pages=max_pages, least=least, programs=programs, resident=resident)
+    shortest = min(range(1, one_wave + 1), key=span)
+    return shortest if span(shortest) <= ONE_WAVE_MARGIN * span(best) else best
 
 
 def _wave_pages(splits: int, pages: int, least: int, programs: int, resident: int) -> int:
@@ -1162,6 +1190,37 @@ def _wave_pages(splits: int, pages: int, least: int, programs: int, resident: in
     live = -(-pages // per)
     waves = -(-programs * live // resident)
     return waves * (per + 1)
+
+
+def _makespan(splits: int, pages: int, least: int, programs: int, resident: int) -> float:
+    """How long a launch of many pairs with `splits` splits a row lasts, in pages, if each program
+    takes the resident slot that frees first, in launch order: a pair's sink and recent-tier
+    programs, then the first split of every pair, the second, ... (PROGRAM_PAGES)."""
+    per = _split_pages(pages, splits, least)
+    live = -(-pages // per)
+    costs = [SINK_PAGES, RECENT_TIER_PAGES] + [per] * (live - 1) + [pages - (live - 1) * per]
+    free = {0.0: resident}  # the time a slot frees -> how many slots free then
+    end = 0.0
+    for cost in costs:
+        waiting = programs
+        while waiting:
+            start = min(free)
+            taken = min(waiting, free[start])
+            free[start] -= taken
+            if not free[start]:
+                del free[start]
+            waiting -= taken
+            done = start + cost + PROGRAM_PAGES
+            free[done] = free.get(done, 0) + taken
+            end = max(end, done)
+    return end
+
+
+def _starts_together(pairs: int, live_splits: int, tier_parts: int, device: torch.device) -> bool:
+    """Whether a split launch's page programs all start at once: it has few (row, kv head) pairs
+    (_few_rows), or its live splits and its recent-tier programs fit the resident slots (the
+    sink's programs end first). There the L2 prefetch of the next page beats the pipeline."""
+    return _few_rows(pairs, device) or pairs * (live_splits + tier_parts - 1) <= RESIDENT_PER_SM * _sm_count(device)
 
 
 def _block_rows(kl: Layout, vl: Layout, step: int) -> int:
@@ -1193,18 +1252,18 @@ def _whole_planes(kl: Layout, vl: Layout, step: int) -> bool:
     return all(lay.bits != 16 and not lay.nf4 and lay.rows == step for lay in (kl, vl))
 
 
-def _page_stages(kl: Layout, vl: Layout, step: int, pages_per_split: int, few_rows: bool) -> int:
+def _page_stages(kl: Layout, vl: Layout, step: int, pages_per_split: int, together: bool) -> int:
     """Triton num_stages for the page loop (PIPELINE_STAGES where it pays, else 1: not pipelined);
-    few_rows: the launch has fewer (row, kv head) pairs than half the SMs (there the L2 prefetch pays)."""
-    pays = _whole_planes(kl, vl, step) and pages_per_split >= PIPELINE_MIN_PAGES and not few_rows
+    together: the launch's page programs start together (_starts_together; there the L2 prefetch pays)."""
+    pays = _whole_planes(kl, vl, step) and pages_per_split >= PIPELINE_MIN_PAGES and not together
     return PIPELINE_STAGES if pays else 1
 
 
-def _prefetches(kl: Layout, vl: Layout, step: int, pages_per_split: int, page_stages: int, few_rows: bool) -> bool:
-    """Whether the page loop prefetches the next page into the L2 (PREFETCH): in a launch of few (row,
-    kv head) pairs, whose splits start together, for loops over more than one page of whole 2-bit
-    planes that are not pipelined."""
-    return PREFETCH and few_rows and page_stages == 1 and pages_per_split > 1 and _whole_planes(kl, vl, step)
+def _prefetches(kl: Layout, vl: Layout, step: int, pages_per_split: int, page_stages: int, together: bool) -> bool:
+    """Whether the page loop prefetches the next page into the L2 (PREFETCH): in a launch whose page
+    programs start together, for loops over more than one page of whole 2-bit planes that are not
+    pipelined."""
+    return PREFETCH and together and page_stages == 1 and pages_per_split > 1 and _whole_planes(kl, vl, step)
 
 
 def _gluon_split(kl: Layout, vl: Layout, k_pages: dict[str, Tensor], q: Tensor, head_dim: int, rows: int,
@@ -1286,9 +1345,10 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     swap = SWAP if launch.swap is None else launch.swap
     max_pages = page_table.shape[1]  # the longest row the table holds: what the split count was sized for
     pages_per_split = _split_pages(max_pages, num_splits, _least_pages(max_pages, launch.min_pages))
-    stages = launch.page_stages or _page_stages(kl, vl, step, pages_per_split, not many_rows)
+    together = _starts_together(B * H * n_blocks, -(-max_pages // pages_per_split), n_parts - num_splits, q.device)
+    stages = launch.page_stages or _page_stages(kl, vl, step, pages_per_split, together)
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
-    prefetch = (not INTERPRETED) and (_prefetches(kl, vl, step, pages_per_split, stages, not many_rows)
+    prefetch = (not INTERPRETED) and (_prefetches(kl, vl, step, pages_per_split, stages, together)
                                       if launch.prefetch is None else launch.prefetch)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides

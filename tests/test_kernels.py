@@ -144,6 +144,12 @@ CASES = [
     ("kitty", 128, 4, 1, "long", 2, 2, "page_stages=2"),
     ("kivi-k2v2", 64, 4, 2, "mixed", 2, None, "window=150,page_stages=2"),
     ("kvarn", 64, 4, 1, "long", 2, 2, "lse,page_stages=2"),
+    # as if on a GPU of 4 SMs: (row, kv head) pairs for half the SMs or more, so one recent-tier program
+    # a row, and splits whose programs all fit the 32 resident slots (_starts_together): on a GPU the
+    # next page prefetched into the L2 instead of a pipeline
+    ("kitty", 128, 4, 1, "long", 2, 3, "sms=4"),
+    ("kvarn", 64, 4, 1, "mixed", 2, 3, "sms=4"),
+    ("kivi-k2v2", 64, 4, 1, "long", 2, 2, "sms=4"),
 ]
 
 
@@ -189,6 +195,8 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
     if queries > 1:  # as the model hands it over: [B, T, Hq, D] transposed, not contiguous
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
     kw = dict(window=int(opts["window"]) if "window" in opts else None, return_lse="lse" in opts)
+    if "sms" in opts:
+        monkeypatch.setattr(attention, "_sm_count", lambda device: int(opts["sms"]))
     want = call(reference.decode_attention, q, c, head_dim**-0.5, **kw)
     # poison every buffer the kernels write: an element they skip shows up as NaN
     monkeypatch.setattr(attention, "_scratch", lambda shape, device: torch.full(shape, float("nan"), device=device))
@@ -420,7 +428,20 @@ def test_split_count_does_not_change_the_result(name, window, lse, short_pages, 
     (1, 512, 132),   # 64k: 256 of 2 pages are 2 waves x (2 + 1) = 6; 132 of 4 (128 live) one wave, 5
     (1, 1024, 132),  # 128k: 512 of 2: 4 x 3 = 12; 132 of 8: 1 x 9 = 9
     (16, 256, 8),    # 33 (32 live) of 8 pages: 4096 programs, 4 waves x (8 + 1) = 36; 8 of 32: one wave, 33
-    (16, 30, 29),    # 4k: 29 of 2 (15 live), 2 waves x 3 = 6; 8 of 4 would be 5, but 128 pairs need 8 pages
+    (16, 30, 6),     # 4k: 29 of 2 (15 live), 2 waves x 3 = 6; 8 of 4 would be 5, but 128 pairs need 8 pages;
+                     # _makespan (in pages, each program + 1.5; the sink 0.25, the recent tier 3): 6 of 5 and
+                     # the two tiers are 1024 programs, all at once, 6.5; 8 of 4 (the last of 2) are 1280:
+                     # 96 of the 7th split start when the sinks end (1.75 + 5.5), and 96 of the 8th when the
+                     # recent tier ends (4.5 + 3.5 = 8.0); 29 of 2 8.75, so 6.5 is more than 5% shorter
+    (24, 30, 4),     # 4 of 8 (the last of 6), 192 pairs: 960 programs at once end at 9.5, 96 of the last split
+                     # start at 1.75 and end at 9.25; 5 of 6: 96 of the 5th split wait for the recent tier,
+                     # 4.5 + 7.5 = 12.0; 22 of 2 12.25
+    (12, 14, 5),     # 2k, 96 pairs: 14 of 1 (one page a split in short rows) are 1536 programs; the 480 past
+                     # the slots start when the sinks (1.75) and the first splits (2.5) end: 5.0; 5 of 3 (the
+                     # last of 2) are 672 programs at once, as long as the recent tier, 4.5
+    (40, 30, 3),     # 3 of 10 (one wave by the lockstep rule, 960 of 1056 slots, 320 pairs); _makespan: 1 of
+                     # 30 is 31.5, 2 of 15 18.25 (224 of the 2nd split start at 1.75), 3 of 10 16.0 (224 of
+                     # the 3rd wait for the recent tier, 4.5 + 11.5): the same count
     (52, 64, 10),    # 10 of 7: 3744 programs, 4 x 8 = 32; one wave (2 of 32) 33
     (37, 62, 15),    # 15 of 5 (13 live): 3848 programs, 4 x 6 = 24; 3 of 21 would be 22, but 888 programs
     (64, 256, 8),    # 9 of 29 pages: 4608 programs, 5 waves x (29 + 1) = 150; 8 of 32: 4096, 4 x 33 = 132;
@@ -431,8 +452,9 @@ def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
     """The split rule on an H100's 132 SMs (8 resident one-warp programs each, 1056 in all) for
     Llama-3-8B's 8 kv heads: the counts worked out by hand from the lockstep-wave arithmetic
     (waves x (pages a split + one page of fixed cost)), the one-wave count taken where it is 5%
-    shorter, fills 90% of the slots, and (in launches of many pairs) walks 8 pages or more; NF4
-    formats keep the plain count (9)."""
+    shorter, fills 90% of the slots, and (in launches of many pairs) walks 8 pages or more; then,
+    in launches of many pairs, the count of at most one wave whose slot-by-slot schedule with the
+    FP16 tiers' programs (_makespan) is 5% shorter still; NF4 formats keep the plain count (9)."""
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
     assert attention.default_splits(pages, batch * 8, torch.device("cpu")) == want
     if batch == 64:
@@ -447,7 +469,9 @@ def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
     ("kitty", 1, 256, 1),       # 128 splits of 2 pages: too few to overlap
     ("kitty", 1, 1024, 1),      # 132 of 8, but 8 pairs: the L2 prefetch instead
     ("kitty", 4, 256, 1),       # 33 of 8, 32 pairs
-    ("kitty", 16, 30, 1),       # a short row: 29 splits of 2 pages
+    ("kitty", 16, 30, 1),       # a short row: 6 splits of 5 pages, which start together
+    ("kitty", 24, 30, 1),       # 4 splits of 8, 192 pairs: 960 programs and the recent tier's start together
+    ("kitty", 28, 30, 2),       # 4 splits of 8, 224 pairs: 1120 programs, more than 1056 slots
     ("kitty", 48, 30, 2),       # 9 splits of 4, 384 pairs
     ("kivi-k4v4", 16, 256, 1),  # 4-bit planes are read a block of rows at a time
     ("nqkv", 16, 256, 1),
@@ -455,14 +479,39 @@ def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
 ])
 def test_page_loop_pipelined_where_it_pays(name, batch, pages, want, monkeypatch):
     """The pipelining rule on an H100 (132 SMs, the split counts of the test above) for Llama-3-8B's
-    shape: 2-bit RTN planes of one step's rows, at least PIPELINE_MIN_PAGES pages a split, and at
-    least half as many (row, kv head) pairs as SMs (fewer take the L2 prefetch instead)."""
+    shape: 2-bit RTN planes of one step's rows, at least PIPELINE_MIN_PAGES pages a split, and page
+    programs that do not all start at once (those take the L2 prefetch instead)."""
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
     kl, vl = attention._layouts(get_format(name), 8, 128)
-    splits = attention.default_splits(pages, batch * 8, torch.device("cpu"))
-    step = attention._step(kl, vl)
+    step, per, together = _launch_of(kl, vl, batch, pages)
+    assert attention._page_stages(kl, vl, step, per, together) == want
+
+
+def _launch_of(kl, vl, batch: int, pages: int) -> tuple[int, int, bool]:
+    """decode_attention's step, pages a split and _starts_together for Llama-3-8B's 8 kv heads and 4 q
+    rows a kv head: a split launch has the sink's program and 1 recent-tier program a pair where
+    the pairs are at least half the SMs, else 4."""
+    pairs = batch * 8
+    splits = attention.default_splits(pages, pairs, torch.device("cpu"))
     per = attention._split_pages(pages, splits, attention._least_pages(pages, None))
-    assert attention._page_stages(kl, vl, step, per, 2 * batch * 8 < 132) == want
+    tier_parts = 1 + (1 if 2 * pairs >= 132 else 4)
+    return attention._step(kl, vl), per, attention._starts_together(pairs, -(-pages // per), tier_parts,
+                                                                    torch.device("cpu"))
+
+
+@pytest.mark.parametrize("pairs,live,tier_parts,want", [
+    (8, 128, 5, True),     # batch 1: fewer pairs than half the SMs
+    (128, 6, 2, True),     # 128 x (6 + 1) = 896 programs past the sinks' fit 1056 slots
+    (96, 10, 2, True),     # 96 x 11 = 1056: just
+    (128, 8, 2, False),    # 1152
+    (448, 2, 2, False),    # 1344
+    (1024, 1, 1, True),    # one program a pair (no splits, no tier programs): 1024
+])
+def test_programs_start_together(pairs, live, tier_parts, want, monkeypatch):
+    """_starts_together on an H100 (132 SMs, 8 resident programs each): few pairs, or every live
+    split's and every recent-tier part's program resident at once (the sink's end first)."""
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    assert attention._starts_together(pairs, live, tier_parts, torch.device("cpu")) == want
 
 
 @pytest.mark.parametrize("name,batch,pages,want", [
@@ -474,21 +523,20 @@ def test_page_loop_pipelined_where_it_pays(name, batch, pages, want, monkeypatch
     ("kvarn", 1, 256, True),
     ("kitty", 1, 32, False),        # a short row: one page a split, no next page
     ("kitty", 16, 256, False),      # pipelined (and 128 pairs: their splits do not start together)
-    ("kitty", 16, 30, False),       # 2 pages a split, but 128 pairs
+    ("kitty", 16, 30, True),        # 6 splits of 5 pages, 128 pairs, whose programs start together
+    ("kitty", 28, 30, False),       # 4 splits of 8, 224 pairs: pipelined
     ("kivi-k4v4", 1, 256, False),   # 4-bit planes are read a block of rows at a time
     ("nqkv", 1, 256, False),
     ("fp16", 1, 256, False),
 ])
 def test_next_page_prefetched_where_it_pays(name, batch, pages, want, monkeypatch):
     """The L2 prefetch rule on an H100 (132 SMs) for Llama-3-8B's shape: whole 2-bit planes, splits
-    of more than one page that are not pipelined, and fewer (row, kv head) pairs than half the SMs."""
+    of more than one page that are not pipelined, and page programs that start together."""
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
     kl, vl = attention._layouts(get_format(name), 8, 128)
-    splits = attention.default_splits(pages, batch * 8, torch.device("cpu"))
-    step = attention._step(kl, vl)
-    per = attention._split_pages(pages, splits, attention._least_pages(pages, None))
-    stages = attention._page_stages(kl, vl, step, per, 2 * batch * 8 < 132)
-    assert attention._prefetches(kl, vl, step, per, stages, 2 * batch * 8 < 132) == want
+    step, per, together = _launch_of(kl, vl, batch, pages)
+    stages = attention._page_stages(kl, vl, step, per, together)
+    assert attention._prefetches(kl, vl, step, per, stages, together) == want
 
 
 ENCODE_FORMATS = ["fp16", "kivi-k2v2", "kivi-k4v4", "kivi-k2v2:v_group=16", "kitty", "kitty-pro",
