@@ -1009,25 +1009,25 @@ MIN_PAGES_PER_SPLIT = 2
 ONE_WAVE_MIN_FILL = 0.9
 ONE_WAVE_MARGIN = 0.95
 ONE_WAVE_MIN_PAGES = 8
-# In a launch of many pairs the split programs share the slots with the FP16 tiers' programs, one a
-# pair for the recent tier (up to 255 tokens, at four times a 2-bit page's bytes a token) and one for
-# the sink, and the block scheduler hands out slots in launch order: the tiers first, then split by
-# split. So a count whose splits alone fill one wave leaves the last split's programs waiting a whole
-# program. _makespan schedules the programs that way, each costing its pages plus PROGRAM_PAGES (the
-# recent tier RECENT_TIER_PAGES, the sink SINK_PAGES), and the launch takes the count of at most one
-# wave that it makes shortest where that is ONE_WAVE_MARGIN shorter than the rule above's. Fitted to
-# 22 pairs of counts timed against each other (batches 12-64, 4k-32k, sessions 43-44): it makes the
-# other count 5% shorter exactly where that measured faster, leaving aside pairs within 2%. Checked against the rule above in one process
-# (Llama-3-8B shape, H100, session 44, us, kitty / kivi-k2v2 / kvarn / fp16, before -> after): batch 9
-# / 4k, 30 splits of 1 -> 10 of 3 (not pipelined: _starts_together), 26.8 -> 23.1, 26.0 -> 23.1, 30.8
-# -> 25.4, 62.3 -> 58.4; batch 12 / 4k, 30 of 1 -> 8 of 4, 32.9 -> 28.5, 32.0 -> 25.9, 38.4 -> 31.8,
+# In a launch of many pairs the split programs share the slots with the FP16 tiers' programs, one a pair
+# for the recent tier (up to 255 tokens, at four times a 2-bit page's bytes a token) and one for the sink,
+# and the block scheduler hands out slots in launch order: the tiers first, then split by split. So a
+# count whose splits alone fill one wave leaves the last split's programs waiting a whole program.
+# _makespan schedules the programs that way, each costing its pages plus PROGRAM_PAGES (the recent tier
+# RECENT_TIER_PAGES, the sink SINK_PAGES), and the launch takes the count of at most one wave that it
+# makes shortest where that is ONE_WAVE_MARGIN shorter than the rule above's. Fitted to 22 pairs of counts
+# timed against each other (batches 12-64, 4k-32k, sessions 43-44): it makes the other count 5% shorter
+# exactly where that measured faster, leaving aside pairs within 2%. Checked against the rule above in one
+# process (Llama-3-8B shape, H100, session 44, us, kitty / kivi-k2v2 / kvarn / fp16, before -> after):
+# batch 9 / 4k, 30 splits of 1 -> 10 of 3 (not pipelined: _starts_together), 26.8 -> 23.1, 26.0 -> 23.1,
+# 30.8 -> 25.4, 62.3 -> 58.4; batch 12 / 4k, 30 of 1 -> 8 of 4, 32.9 -> 28.5, 32.0 -> 25.9, 38.4 -> 31.8,
 # 79.2 -> 76.7; batch 12 / 8k, 31 of 2 -> 9 of 7, 48.1 -> 42.2, 48.4 -> 37.3, 54.2 -> 45.5; batch 14 /
-# 32000, 30 of 9 -> 9 of 28, 138.1 -> 136.4, 121.7 -> 117.5, 161.6 -> 143.6; batch 32 / 32k, 16 of 16
-# -> 4 of 64, 298.9 -> 295.9, 266.8 -> 259.4, 332.6 -> 312.6; batch 10 / 128k, 53 of 20 -> 13 of 79,
-# 358.0 -> 353.6, 313.3 -> 304.8, 396.5 -> 369.6; and where it lost, batch 52 / 4k, 11 of 3 -> 2 of 15
-# (79% of the slots), 97.3 -> 98.8, 89.9 -> 91.3, but 114.1 -> 107.4 and 312.2 -> 306.8. It keeps the
-# rule above's count at batch 40 / 4k (3 of 10; 2 of 15 measured 76.6 -> 83.4 us for kitty), 24 / 8k
-# (5 of 13; 4 of 16 75.5 -> 81.1) and 48 / 8k (11 of 6; 2 of 31 140.5 -> 159.1).
+# 32000, 30 of 9 -> 9 of 28, 138.1 -> 136.4, 121.7 -> 117.5, 161.6 -> 143.6; batch 32 / 32k, 16 of 16 -> 4
+# of 64, 298.9 -> 295.9, 266.8 -> 259.4, 332.6 -> 312.6; batch 10 / 128k, 53 of 20 -> 13 of 79, 358.0 ->
+# 353.6, 313.3 -> 304.8, 396.5 -> 369.6; and where it lost, batch 52 / 4k, 11 of 3 -> 2 of 15 (79% of the
+# slots), 97.3 -> 98.8, 89.9 -> 91.3, but 114.1 -> 107.4 and 312.2 -> 306.8. It keeps the rule above's
+# count at batch 40 / 4k (3 of 10; 2 of 15 measured 76.6 -> 83.4 us for kitty), 24 / 8k (5 of 13; 4 of 16
+# 75.5 -> 81.1) and 48 / 8k (11 of 6; 2 of 31 140.5 -> 159.1).
 PROGRAM_PAGES = 1.5
 RECENT_TIER_PAGES = 3.0
 SINK_PAGES = 0.25
@@ -1194,8 +1194,9 @@ def _wave_pages(splits: int, pages: int, least: int, programs: int, resident: in
 
 def _makespan(splits: int, pages: int, least: int, programs: int, resident: int) -> float:
     """How long a launch of many pairs with `splits` splits a row lasts, in pages, if each program
-    takes the resident slot that frees first, in launch order: a pair's sink and recent-tier
-    programs, then the first split of every pair, the second, ... (PROGRAM_PAGES)."""
+    takes the resident slot that frees first, in launch order (every pair's sink program, every
+    pair's recent-tier program, then the first split of every pair, the second, ...), and costs
+    its pages (the sink SINK_PAGES, the recent tier RECENT_TIER_PAGES) plus PROGRAM_PAGES."""
     per = _split_pages(pages, splits, least)
     live = -(-pages // per)
     costs = [SINK_PAGES, RECENT_TIER_PAGES] + [per] * (live - 1) + [pages - (live - 1) * per]
@@ -1217,10 +1218,12 @@ def _makespan(splits: int, pages: int, least: int, programs: int, resident: int)
 
 
 def _starts_together(pairs: int, live_splits: int, tier_parts: int, device: torch.device) -> bool:
-    """Whether a split launch's page programs all start at once: it has few (row, kv head) pairs
-    (_few_rows), or its live splits and its recent-tier programs fit the resident slots (the
-    sink's programs end first). There the L2 prefetch of the next page beats the pipeline."""
-    return _few_rows(pairs, device) or pairs * (live_splits + tier_parts - 1) <= RESIDENT_PER_SM * _sm_count(device)
+    """Whether a launch's page programs all start at once: it has few (row, kv head) pairs
+    (_few_rows), or its live splits' and recent-tier parts' programs fit the resident slots (the
+    sink's programs end first; a launch of one program a pair has 1 live split and 1 tier part,
+    both in that program). There the L2 prefetch of the next page beats the pipeline."""
+    resident = RESIDENT_PER_SM * _sm_count(device)
+    return _few_rows(pairs, device) or pairs * (live_splits + tier_parts - 1) <= resident
 
 
 def _block_rows(kl: Layout, vl: Layout, step: int) -> int:
