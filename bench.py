@@ -560,7 +560,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "dash-separated fields w<warps> s<step tokens> p<pipeline stages, whole kernel> "
                         "l<pipeline stages, page loop only> n<query rows> k<splits, 0 = one program, no merge> "
                         "m<programs per SM aimed at> g<min pages per split> t<recent-tier programs> "
-                        "u<steps per softmax update> r<max registers> noasm nopf / pf<no L2 prefetch of the next page / prefetch wherever it can>, "
+                        "u<steps per softmax update> r<max registers> noasm nopf<no L2 prefetch of the next page> "
+                        "pf<the prefetch wherever the kernel can issue it>, "
                         "e.g. w2-s32-p3 or l1")
     k.add_argument("--no-encode", action="store_true", help="skip the encode timings")
 

@@ -57,15 +57,16 @@ logits (keys) or the softmax weights (values), each step's loaded straight into 
 by a pure asm load (_page_token_factors). Kitty's boosted channels add one more small
 product per step: their high-bit plane against q gathered at the boosted ids (x 4 x scale).
 
-Pipelining: in launches of many (row, kv head) pairs where every packed plane is one step's rows
-(the 2-bit RTN formats) and a split walks at least PIPELINE_MIN_PAGES pages, the page loop alone
-runs with Triton's num_stages=2, which copies the next page's code planes, channel scales and
-boosted plane into shared memory (cp.async) while this page computes (_page_stages). The FP16
-tiers' loops are never pipelined. In launches of few pairs (batch 1 to 8 of Llama-3's 8 kv heads)
-the loop is not pipelined, and every split starts at once and loads its first page in the same
-burst; there, once a page's keys have arrived, the next page's fields are prefetched into the L2
-(cp.async.bulk.prefetch, _prefetch_page), so that they stream in while this page computes instead
-of in a second burst (PREFETCH).
+Pipelining: in launches whose page programs come in more than one wave, where every packed plane
+is one step's rows (the 2-bit RTN formats) and a split walks at least PIPELINE_MIN_PAGES pages, the
+page loop alone runs with Triton's num_stages=2, which copies the next page's code planes, channel
+scales and boosted plane into shared memory (cp.async) while this page computes (_page_stages). The
+FP16 tiers' loops are never pipelined. Where every page program is resident at once (launches of few
+pairs, batch 1 to 8 of Llama-3's 8 kv heads, and one-wave launches of more: _starts_together) the
+loop is not pipelined, and every split loads its first page in the same burst; there, once a page's
+keys have arrived, the next page's fields are prefetched into the L2 (cp.async.bulk.prefetch,
+_prefetch_page), so that they stream in while this page computes instead of in a second burst
+(PREFETCH).
 
 The cache's extras: `slots` (batch row b reads slot slots[b] of the page table and the dense
 buffers), a sliding `window` (tokens older than a query's window are masked, whole pages of
@@ -1139,7 +1140,8 @@ def default_splits(max_pages: int, programs: int, device: torch.device, per_sm: 
 
 def _few_rows(pairs: int, device: torch.device) -> bool:
     """Whether a launch of `pairs` (row, kv head, query block) triples has fewer than half as many as
-    SMs: their splits all start together, which decides the split count, pipelining and the L2 prefetch."""
+    SMs: their splits all start together, which decides the split rule, the recent tier's programs
+    and (through _starts_together) pipelining and the L2 prefetch."""
     return 2 * pairs < _sm_count(device)
 
 
@@ -1157,8 +1159,9 @@ def _split_pages(pages: int, splits: int, least: int) -> int:
 def _split_count(max_pages: int, programs: int, want: int, least: int, resident: int, few_rows: bool) -> int:
     """default_splits for `want` splits aimed at and `resident` programs at once (0: no wave
     search) in a launch of few (row, kv head) pairs or not, cached: the search tries up to ~130
-    counts, and an eager launch (no CUDA graph) asks once a layer and step (60 us a call at batch 1
-    with a 1024-page table)."""
+    counts (and in launches of many pairs schedules up to ~16 with _makespan, under 1 ms), and an
+    eager launch (no CUDA graph) asks once a layer and step (60 us a call at batch 1 with a 1024-page
+    table)."""
     most = -(-max_pages // least)
     if not resident:
         return max(1, min(want, most))
@@ -1171,10 +1174,12 @@ def _split_count(max_pages: int, programs: int, want: int, least: int, resident:
             and _wave_pages(one_wave, max_pages, least, programs, resident)
             <= ONE_WAVE_MARGIN * _wave_pages(best, max_pages, least, programs, resident)):
         best = one_wave
-    if few_rows:
+    # (never 1 split by _makespan: one program a pair walks its tiers too and skips the merge, a
+    # launch the model was not fitted to; the rule above keeps it where it had it)
+    if few_rows or one_wave < 2 or best < 2:
         return best
     span = functools.partial(_makespan, pages=max_pages, least=least, programs=programs, resident=resident)
-    shortest = min(range(1, one_wave + 1), key=span)
+    shortest = min(range(2, one_wave + 1), key=span)
     return shortest if span(shortest) <= ONE_WAVE_MARGIN * span(best) else best
 
 
@@ -1196,7 +1201,8 @@ def _makespan(splits: int, pages: int, least: int, programs: int, resident: int)
     """How long a launch of many pairs with `splits` splits a row lasts, in pages, if each program
     takes the resident slot that frees first, in launch order (every pair's sink program, every
     pair's recent-tier program, then the first split of every pair, the second, ...), and costs
-    its pages (the sink SINK_PAGES, the recent tier RECENT_TIER_PAGES) plus PROGRAM_PAGES."""
+    its pages (the sink SINK_PAGES, the recent tier RECENT_TIER_PAGES) plus PROGRAM_PAGES. For 2
+    splits or more (one split is one program a pair, which walks its tiers itself)."""
     per = _split_pages(pages, splits, least)
     live = -(-pages // per)
     costs = [SINK_PAGES, RECENT_TIER_PAGES] + [per] * (live - 1) + [pages - (live - 1) * per]
@@ -1327,7 +1333,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
                                     fill_waves=not plain)
         num_splits = 0 if num_splits == 1 else num_splits  # one split: no partials, no merge
     one = num_splits == 0
-    # (row, kv head) pairs for at least half the SMs: their splits come in several waves
+    # (row, kv head) pairs for at least half the SMs: their splits may come in several waves
     many_rows = not _few_rows(B * H * n_blocks, q.device)
     crowded = many_rows and not plain
     tiers = 1 + (launch.recent_parts or (1 if crowded else RECENT_PARTS))

@@ -439,6 +439,8 @@ def test_split_count_does_not_change_the_result(name, window, lse, short_pages, 
     (12, 14, 5),     # 2k, 96 pairs: 14 of 1 (one page a split in short rows) are 1536 programs; the 480 past
                      # the slots start when the sinks (1.75) and the first splits (2.5) end: 5.0; 5 of 3 (the
                      # last of 2) are 672 programs at once, as long as the recent tier, 4.5
+    (111, 30, 5),    # 888 pairs aim at 5; lockstep: 5 of 6 are 4440 programs, 5 waves x 7 = 35 (8 of 4 also 35,
+                     # further from 5); the one wave is 1 split, one program a pair, which _makespan may not pick
     (40, 30, 3),     # 3 of 10 (one wave by the lockstep rule, 960 of 1056 slots, 320 pairs); _makespan: 1 of
                      # 30 is 31.5, 2 of 15 18.25 (224 of the 2nd split start at 1.75), 3 of 10 16.0 (224 of
                      # the 3rd wait for the recent tier, 4.5 + 11.5): the same count
