@@ -1175,8 +1175,9 @@ def _split_count(max_pages: int, programs: int, want: int, least: int, resident:
             <= ONE_WAVE_MARGIN * _wave_pages(best, max_pages, least, programs, resident)):
         best = one_wave
     # (never 1 split by _makespan: one program a pair walks its tiers too and skips the merge, a
-    # launch the model was not fitted to; the rule above keeps it where it had it)
-    if few_rows or one_wave < 2 or best < 2:
+    # launch the model was not fitted to; the rule above keeps it where it had it, which is only
+    # where one wave is 1 split: want <= 1 means more programs than resident slots)
+    if few_rows or one_wave < 2:
         return best
     span = functools.partial(_makespan, pages=max_pages, least=least, programs=programs, resident=resident)
     shortest = min(range(2, one_wave + 1), key=span)
