@@ -995,9 +995,9 @@ NF4_PROGRAMS_PER_SM = 64
 RESIDENT_PER_SM = 8  # every format's split kernel compiles to 255 registers (scripts/sass.py)
 MIN_PAGES_PER_SPLIT = 2
 # One wave of longer splits instead of the counts near PROGRAMS_PER_SM (many short splits in several
-# waves) where it fills at least ONE_WAVE_MIN_FILL of the resident slots, the lockstep model
-# (_wave_pages) makes it ONE_WAVE_MARGIN shorter, and either the launch has few (row, kv head) pairs or
-# its splits walk ONE_WAVE_MIN_PAGES pages or more. Llama-3-8B shape, H100, session 43, us, before ->
+# waves) where the lockstep model (_wave_pages) makes it ONE_WAVE_MARGIN shorter and either the launch
+# has few (row, kv head) pairs or it fills at least ONE_WAVE_MIN_FILL of the resident slots with splits
+# of ONE_WAVE_MIN_PAGES pages or more. Llama-3-8B shape, H100, session 43, us, before ->
 # after: batch 1 / 64k kitty 30.3 -> 27.0 (2 pages a split -> 4), 128k 56.1 -> 45.7 (2 -> 8); batch 2 / 32k
 # kitty 31.2 -> 28.2 (4 pages, not pipelined: PIPELINE_MIN_PAGES); batch 8 / 8k kvarn 39.2 -> 34.6; batch
 # 16 / 32k kvarn 191 -> 167 (8 -> 32); batch 64 / 4k kivi-k2v2 104 -> 97 (5 -> 15); batch 128 / 4k kitty
@@ -1006,7 +1006,14 @@ MIN_PAGES_PER_SPLIT = 2
 # gained, 36.9, but 3-4 page splits in several waves need the pipeline); batch 37 / 8k, 3 of 21 (888 of 1056
 # slots), kitty 113.5 -> 116.5, kivi-k2v2 101.7 -> 104.6 but kvarn 134.3 -> 124.6, and batch 48 / 8k, 2 of 31
 # (768 slots), kitty 140.5 -> 159.1 (the fill); batch 64 / 32k, 2 of 127 against 8 of 32 (3% by the model),
-# kitty-pro +0.5-0.8% (the margin).
+# kitty-pro +0.5-0.8% (the margin). Launches of few pairs need no fill: there two waves of short splits
+# lost to one wave of longer ones at 45-92% of the slots in every cell timed (session 45, us, old -> new,
+# kitty / kivi-k2v2 / kvarn / fp16): batch 1 / 34816 tokens, 135 of 2 -> 132 (90 live) of 3, 22.6 -> 19.2,
+# 20.4 -> 18.1, 26.1 -> 22.0, 62.1 -> 55.3; batch 1 / 75776, 37.8 -> 30.8, 33.1 -> 26.6, 42.4 -> 32.4, 116.8
+# -> 109.1; batch 2 / 37888, 37.5 -> 30.1; batch 3 / 12288, 24.3 -> 20.8; batch 5 / 8k, 31 of 2 -> 26 (21
+# live) of 3, 26.6 -> 22.0, 23.6 -> 20.3, 29.5 -> 24.4, 69.0 -> 63.3; batch 7 / 14336, 45.3 -> 41.8; batch 8
+# / 3072, 20.4 -> 18.9. Of 32 such cells x 4 formats only batch 8 / 7168 was level (kitty 30.2, kivi-k2v2
+# 27.0 -> 27.2).
 ONE_WAVE_MIN_FILL = 0.9
 ONE_WAVE_MARGIN = 0.95
 ONE_WAVE_MIN_PAGES = 8
@@ -1169,8 +1176,8 @@ def _split_count(max_pages: int, programs: int, want: int, least: int, resident:
     best = min(near, key=lambda s: (_wave_pages(s, max_pages, least, programs, resident), abs(s - want)))
     one_wave = max(1, min(most, resident // programs))  # the most splits whose programs all fit at once
     per = _split_pages(max_pages, one_wave, least)
-    if (programs * -(-max_pages // per) >= ONE_WAVE_MIN_FILL * resident
-            and (few_rows or per >= ONE_WAVE_MIN_PAGES)
+    if ((few_rows or (programs * -(-max_pages // per) >= ONE_WAVE_MIN_FILL * resident
+                      and per >= ONE_WAVE_MIN_PAGES))
             and _wave_pages(one_wave, max_pages, least, programs, resident)
             <= ONE_WAVE_MARGIN * _wave_pages(best, max_pages, least, programs, resident)):
         best = one_wave

@@ -449,12 +449,17 @@ def test_split_count_does_not_change_the_result(name, window, lse, short_pages, 
     (64, 256, 8),    # 9 of 29 pages: 4608 programs, 5 waves x (29 + 1) = 150; 8 of 32: 4096, 4 x 33 = 132;
                      # one wave (2 of 128) 129, not ONE_WAVE_MARGIN below 132
     (296, 64, 4),    # 2 of 32: 4736, 5 x 33 = 165; 3 of 22: 7 x 23 = 161; 4 of 16: 9472, 9 x 17 = 153
+    (5, 62, 26),     # 8k, 40 pairs (few): 31 of 2 are 1240 programs, 2 waves x 3 = 6; 26 (21 live) of 3 are 840,
+                     # one wave, 4: taken though they fill 80% of the slots (the fill rule is for many pairs)
+    (1, 270, 132),   # 34k: 135 of 2 are 1080 programs, 2 waves x 3 = 6; 132 (90 live) of 3, 720, one wave, 4
+    (8, 1022, 51),   # 128k, 64 pairs: 51 (49 live) of 21 are 3136 programs, 3 waves x 22 = 66; one wave (16 of
+                     # 64) 65, not 5% shorter
 ])
 def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
     """The split rule on an H100's 132 SMs (8 resident one-warp programs each, 1056 in all) for
     Llama-3-8B's 8 kv heads: the counts worked out by hand from the lockstep-wave arithmetic
     (waves x (pages a split + one page of fixed cost)), the one-wave count taken where it is 5%
-    shorter, fills 90% of the slots, and (in launches of many pairs) walks 8 pages or more; then,
+    shorter and, in launches of many pairs, fills 90% of the slots and walks 8 pages or more; then,
     in launches of many pairs, the count of at most one wave whose slot-by-slot schedule with the
     FP16 tiers' programs (_makespan) is 5% shorter still; NF4 formats keep the plain count (9)."""
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
