@@ -234,7 +234,7 @@ def cmd_speed(args) -> None:
                 cell = bench_attention(method, b, args.prompt, q_heads=model.config.n_heads,
                                        kv_heads=model.config.n_kv_heads, head_dim=model.config.head_dim,
                                        sink=args.sink, window=args.window)[0]
-                attn = dict(attn_layer_us=profile_decode(llm, b, args.prompt, args.profile),
+                attn = dict(attn_layer_us=profile_decode(llm, b, args.prompt, args.profile, args.new),
                             kernel_bench_us=cell["ms"] * 1e3 if cell["ms"] else None)
                 if attn["kernel_bench_us"]:
                     attn["attn_vs_bench"] = attn["attn_layer_us"] / attn["kernel_bench_us"]
@@ -271,24 +271,29 @@ def cmd_speed(args) -> None:
 ATTENTION_KERNELS = ("_split_kernel", "_merge_kernel")
 
 
-def profile_decode(llm: LLM, batch: int, prompt: int, steps: int) -> float:
-    """Where a decode step's GPU time goes: prints the top kernels over `steps` steps
-    (torch.profiler) and returns the attention kernels' GPU time per layer and step, in us.
+def profile_decode(llm: LLM, batch: int, prompt: int, steps: int, new: int) -> float:
+    """Where a decode step's GPU time goes: prints the top kernels over `steps` steps of all
+    `batch` rows (torch.profiler) and returns the attention kernels' GPU time per layer and step,
+    in us. Each row decodes up to `new` tokens.
     With programmatic dependent launch (kernels/pdl.py, batch <= 4) a kernel starts before the one
     it depends on ends and waits inside, and the profiler counts that wait as its time:
     NANOKV_PDL=0 gives the kernels' own times."""
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(2)
-    for _ in range(batch):
-        llm.add_request(torch.randint(0, llm.model.config.vocab_size, (prompt,), generator=g).tolist(),
-                        SamplingParams(max_new_tokens=steps + 2, ignore_eos=True))
-    # The prompts are prefilled in chunks over several steps (prefill_chunk): step until every
-    # request is decoding, plus one decode step, so that the profile holds decode steps only.
+    reqs = [llm.add_request(torch.randint(0, llm.model.config.vocab_size, (prompt,), generator=g).tolist(),
+                            SamplingParams(max_new_tokens=new, ignore_eos=True)) for _ in range(batch)]
+    # The prompts are prefilled in chunks over several steps (prefill_chunk), while the rows admitted
+    # first decode: step until every request is decoding, plus one decode step, so that the profile
+    # holds decode steps of the whole batch only (the first rows must not have finished by then).
     llm.step()
     while llm.waiting or llm.prefilling:
         llm.step()
     llm.step()
+    if new - max(r.n_sampled for r in reqs) <= steps:
+        raise SystemExit(f"--profile {steps}: the first rows decoded {max(r.n_sampled for r in reqs)} of their "
+                         f"{new} tokens while the last prompt was prefilled, leaving too few steps with the whole "
+                         f"batch; raise --new")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             llm.step()
@@ -542,8 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk, metavar="TOKENS",
                            help=f"prompt tokens prefilled per step (0 = whole prompts; default {EngineConfig.prefill_chunk})")
             s.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                           help="profile this many decode steps at the first batch size (table on stderr); the "
-                                "attention's time includes PDL waits unless NANOKV_PDL=0")
+                           help="profile this many decode steps of the whole first batch size (table on stderr; "
+                                "--new must outlast the batch's prefill by more than STEPS); the attention's time "
+                                "includes PDL waits unless NANOKV_PDL=0")
         else:
             s.add_argument("--budget-gb", type=float, required=True, help="KV memory budget in GiB (per GPU with --tp)")
             s.add_argument("--ctx", type=int, default=8192, help="context per sequence (default 8192)")
