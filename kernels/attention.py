@@ -1007,7 +1007,7 @@ MIN_PAGES_PER_SPLIT = 2
 # slots), kitty 113.5 -> 116.5, kivi-k2v2 101.7 -> 104.6 but kvarn 134.3 -> 124.6, and batch 48 / 8k, 2 of 31
 # (768 slots), kitty 140.5 -> 159.1 (the fill); batch 64 / 32k, 2 of 127 against 8 of 32 (3% by the model),
 # kitty-pro +0.5-0.8% (the margin). Launches of few pairs need no fill: there two waves of short splits
-# lost to one wave of longer ones at 45-92% of the slots in every cell timed (session 45, us, old -> new,
+# lost to one wave of longer ones at 57-89% of the slots in every cell timed (session 45, us, old -> new,
 # kitty / kivi-k2v2 / kvarn / fp16): batch 1 / 34816 tokens, 135 of 2 -> 132 (90 live) of 3, 22.6 -> 19.2,
 # 20.4 -> 18.1, 26.1 -> 22.0, 62.1 -> 55.3; batch 1 / 75776, 37.8 -> 30.8, 33.1 -> 26.6, 42.4 -> 32.4, 116.8
 # -> 109.1; batch 2 / 37888, 37.5 -> 30.1; batch 3 / 12288, 24.3 -> 20.8; batch 5 / 8k, 31 of 2 -> 26 (21
