@@ -290,8 +290,9 @@ def profile_decode(llm: LLM, batch: int, prompt: int, steps: int, new: int) -> f
     while llm.waiting or llm.prefilling:
         llm.step()
     llm.step()
-    if new - max(r.n_sampled for r in reqs) <= steps:
-        raise SystemExit(f"--profile {steps}: the first rows decoded {max(r.n_sampled for r in reqs)} of their "
+    decoded = max(r.n_sampled for r in reqs)
+    if new - decoded <= steps:
+        raise SystemExit(f"--profile {steps}: the first rows decoded {decoded} of their "
                          f"{new} tokens while the last prompt was prefilled, leaving too few steps with the whole "
                          f"batch; raise --new")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
