@@ -2,7 +2,7 @@
 the sampled tokens without making the host wait.
 
 A prefill runs one prompt (or one chunk of it) alone; a decode step runs every running sequence's last token. Decode
-steps are captured once per batch-size bucket in CUDA graphs (DecodeGraphs), so a step is one
+steps are captured once per batch-size bucket and page-table width in CUDA graphs (DecodeGraphs), so a step is one
 replay instead of hundreds of kernel launches from Python. Sampled tokens stay on the GPU, where
 the next step reads them; a copy goes to a pinned host buffer, with an event that says when it
 has arrived (Launched), so the host reads a step's tokens while the GPU runs the next one.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -62,9 +62,10 @@ class ModelRunner:
         """One decode step of these slots (each fed its last token); samples the next tokens."""
         B = len(reqs)
         if self.graphs:
-            rows = self.graphs.bucket(B, self._decode_forward)
-            self.cache.prepare_step(slots, 1, rows)
-            logits, tokens = self.graphs.replay(rows)
+            table_pages = self.cache.decode_table_pages(slots)
+            key = self.graphs.for_step(B, table_pages, self._decode_forward)
+            self.cache.prepare_step(slots, 1, key.rows, table_pages)
+            logits, tokens = self.graphs.replay(key)
         else:
             self.cache.prepare_step(slots, 1)
             logits, tokens = self._decode_forward(B)
@@ -104,46 +105,53 @@ class ModelRunner:
         return torch.cat(out)
 
 
+class GraphKey(NamedTuple):
+    rows: int  # the batch bucket
+    table_pages: int  # page-table columns the attention sees (KVCache.decode_table_pages)
+
+
 class DecodeGraphs:
-    """One CUDA graph per batch-size bucket for the decode forward. The graph reads everything
-    from fixed device buffers (last tokens, slots, lengths; prepare_step refreshes the slots when
-    they change) and a batch smaller than its bucket is padded with the cache's scratch slot.
+    """One CUDA graph per batch-size bucket and page-table width (the attention's launch depends
+    on both) for the decode forward. The graph reads everything from fixed device buffers (last
+    tokens, slots, lengths; prepare_step refreshes the slots when they change) and a batch smaller
+    than its bucket is padded with the cache's scratch slot. The graphs share one memory pool.
     The forward is passed at capture, not kept: holding the runner's bound method would make a
     reference cycle that keeps a dropped LLM's GPU memory alive until the garbage collector runs."""
 
     def __init__(self, cache: KVCache, max_batch: int):
         self.cache = cache
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = None
 
-    def bucket(self, batch: int, forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """The rows of the graph that runs a batch; on first use, `forward(rows)` is captured
-        (before the caller's prepare_step)."""
-        rows = next(b for b in self.buckets if b >= batch)
-        if rows not in self.graphs:
-            self._capture(rows, forward)
-        return rows
+    def for_step(self, batch: int, table_pages: int, forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+            ) -> GraphKey:
+        """The graph that runs a batch whose attention sees table_pages columns of the page table;
+        on first use, `forward(rows)` is captured (before the caller's prepare_step)."""
+        key = GraphKey(next(b for b in self.buckets if b >= batch), table_pages)
+        if key not in self.graphs:
+            self._capture(key, forward)
+        return key
 
-    def replay(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and greedy tokens of the step prepared with `rows` rows."""
-        graph, outputs = self.graphs[rows]
+    def replay(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and greedy tokens of the step prepared for this graph."""
+        graph, outputs = self.graphs[key]
         graph.replay()
         return outputs
 
-    def _capture(self, rows: int, forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.cache.prepare_step([], 1, rows=rows)  # every row on the scratch slot
+    def _capture(self, key: GraphKey, forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.cache.prepare_step([], 1, key.rows, key.table_pages)  # every row on the scratch slot
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels
             for _ in range(2):
-                forward(rows)
+                forward(key.rows)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = forward(rows)
+            outputs = forward(key.rows)
         self.pool = graph.pool()
-        self.graphs[rows] = (graph, outputs)
+        self.graphs[key] = (graph, outputs)
 
 
 class _HostTokens:

@@ -149,6 +149,24 @@ def test_batched_equals_unbatched():
         assert llm.cache.num_free_slots == 3
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs need a GPU (NANOKV_TEST_DEVICE=cuda)")
+def test_decode_graphs_follow_the_longest_row(tmp_path):
+    """A model of 16k positions: the decode graphs are captured per page-table width, and a row
+    that grows from 31 to 32 pages mid-decode (sink 4, window 8: at 12 + 32 * 128 tokens) moves
+    the step to a graph of 63 columns; the tokens equal those of eager decode steps."""
+    make_tiny_model("llama", tmp_path, config={"max_position_embeddings": 16384})
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4090, 60)]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    outs = {}
+    for graphs in (True, False):
+        llm = make_llm(tmp_path, kv="kitty", sink=4, window=8, max_batch=2, cuda_graphs=graphs)
+        outs[graphs] = [r.output_ids for r in llm.generate(prompts, params)]
+        if graphs:
+            assert {key.table_pages for key in llm.runner.graphs.graphs} == {31, 63}
+    assert outs[True] == outs[False]
+
+
 def test_requests_wait_when_pages_run_out(tmp_path):
     """A pool that holds one long sequence at a time queues the others; results are unchanged."""
     make_tiny_model("qwen2", tmp_path)

@@ -29,6 +29,7 @@ import kernels
 import loading
 import quant
 from kvcache import KVCache
+from kvcache.cache import StepCounts
 from llm import LLM
 from quant import PAGE_TOKENS
 from sampling import SamplingParams
@@ -324,6 +325,39 @@ def test_attention_over_tiers_matches_direct_softmax(kv):
     for _ in range(3):
         feed(cache, [a, b], 1, fmt, memo)
     assert [len(s.rule.pages) for s in (a, b)] == [3, 2]
+
+
+def test_decode_table_width_holds_the_longest_row():
+    """A decode step's attention sees the least 2^k - 1 columns (at least 31) of the page table that
+    hold the step's longest row, capped at the table, whatever the other rows hold; worked by hand
+    for sink 4 and window 8, where a row of n pages holds 12 + 128 n tokens once flushed."""
+    cache = KVCache(quant.get_format("kitty"), n_layers=LAYERS, n_kv_heads=H, head_dim=D, sink=4, window=8,
+                    max_seqs=3, max_seq_len=100 * PAGE_TOKENS + 12, num_pages=400)
+    assert cache.page_table.shape[1] == 100
+    slots = [cache.admit(100 * PAGE_TOKENS + 12) for _ in range(3)]
+    for longest, want in ((0, 31), (1, 31), (31, 31), (32, 63), (63, 63), (64, 100), (99, 100)):
+        cache.assume_stored(slots[0], 12 + PAGE_TOKENS * longest)
+        cache.assume_stored(slots[1], 12 + PAGE_TOKENS * max(longest - 5, 0))
+        assert cache.decode_table_pages(slots[:2]) == want, f"longest row {longest} pages"
+        cache.prepare_step(slots[:2], 1)
+        assert cache._tiers(0, StepCounts(*cache._step.counts[0])).page_table.shape[1] == want
+    assert cache.decode_table_pages(slots[1:]) == 100  # slot 1's 94 pages (slot 2 is empty): 127, capped
+    assert cache.decode_table_pages(slots[2:]) == 31
+
+
+def test_decode_over_more_pages_than_the_narrowest_table_matches_direct_softmax():
+    """Rows of 33 and 2 pages in a cache whose table holds 1024: a decode step's attention (given 63
+    columns) equals the float64 softmax over every page of both rows."""
+    cache = KVCache(quant.get_format("kivi-k2v2"), n_layers=LAYERS, n_kv_heads=H, head_dim=D, sink=4, window=8,
+                    max_seqs=2, max_seq_len=1024 * PAGE_TOKENS, num_pages=40)
+    fmt, memo = cache.formats[0], {}
+    a, b = Seq(cache, 33 * PAGE_TOKENS + 12 + 2, seed=5), Seq(cache, 2 * PAGE_TOKENS + 12 + 2, seed=6)
+    feed(cache, [a], 33 * PAGE_TOKENS + 12, fmt, memo)
+    feed(cache, [b], 2 * PAGE_TOKENS + 12, fmt, memo)
+    assert cache.decode_table_pages([a.slot, b.slot]) == 63
+    for _ in range(2):
+        feed(cache, [a, b], 1, fmt, memo)
+    assert [len(s.rule.pages) for s in (a, b)] == [33, 2]
 
 
 def test_attention_check_can_fail():
