@@ -106,6 +106,8 @@ class ModelRunner:
 
 
 class GraphKey(NamedTuple):
+    """Which decode graph runs a step: the attention's launch depends on both fields."""
+
     rows: int  # the batch bucket
     table_pages: int  # page-table columns the attention sees (KVCache.decode_table_pages)
 
@@ -124,8 +126,8 @@ class DecodeGraphs:
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = None
 
-    def for_step(self, batch: int, table_pages: int, forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-            ) -> GraphKey:
+    def for_step(self, batch: int, table_pages: int,
+                 forward: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> GraphKey:
         """The graph that runs a batch whose attention sees table_pages columns of the page table;
         on first use, `forward(rows)` is captured (before the caller's prepare_step)."""
         key = GraphKey(next(b for b in self.buckets if b >= batch), table_pages)

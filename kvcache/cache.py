@@ -32,6 +32,12 @@ from kvcache.pool import PagePool
 from kvcache.tiers import CacheShape, Window, pages_for, tier_counts
 from quant import PAGE_TOKENS, KVFormat
 
+# The narrowest page table a decode step's attention is given (decode_table_pages). Widths are
+# 2^k - 1, not 2^k: the split rule gives a 32-page table 3 splits at batch 32 against 4 for 31
+# pages, and rows of 30 pages were faster in 4 (kitty at batch 32 / 4000 tokens, H100: 55.1 us
+# a layer against 60.2; session 46).
+MIN_TABLE_PAGES = 31
+
 
 class KVCache:
     def __init__(
@@ -187,7 +193,8 @@ class KVCache:
         CUDA graph): checks the reservations and uploads the slots, only when they changed.
         rows > len(slots) pads the batch with the scratch slot (a graph's batch bucket).
         table_pages: the page-table columns a decode step's attention sees (default
-        decode_table_pages(slots); a graph is captured on scratch rows for the real ones')."""
+        decode_table_pages(slots)); a graph capture passes the width of the rows it will replay,
+        since it runs on scratch rows."""
         for s in slots:
             if self._lengths[s] + n_new > self._reserved[s]:
                 raise ValueError(f"slot {s} was admitted for {self._reserved[s]} tokens; "
@@ -202,23 +209,17 @@ class KVCache:
 
     def decode_table_pages(self, slots: list[int]) -> int:
         """How many columns of the page table a decode step of these slots gives the attention:
-        the least 2^k - 1, 31 or more, that holds the slots' longest row (capped at the table).
+        the least 2^k - 1 (MIN_TABLE_PAGES or more) that holds the slots' longest row, capped at
+        the table.
 
         The attention sizes its launch (split count, pipelining) by the table's width, and a CUDA
-        graph keeps the launch it captured, so each width is a graph of its own: these few widths
-        bound the captures (six at most a batch bucket for 128k positions). A model of 131072
-        positions has a 1022-page table, and a launch sized for all of it cuts rows of a few
-        thousand tokens into one-page splits in several waves. Llama-3-8B shape, H100, session 46,
-        split and merge kernels on a cache's own tensors with the L2 flushed: kitty at batch 8-32 and
-        4-16k tokens 7-20% faster than sized for the whole table (batch 64: 0-7%), FP16 0-6.5% (but
-        batch 8 / 8000 tokens 3.5% slower), batch 4 level. In the engine (Llama-3.1-8B shape,
-        whole-batch steps, us of attention a layer): kitty batch 16 / 4000 tokens 40.6 -> 33.4,
-        batch 32 / 4000 71.5 -> 57.5, batch 8 / 8000 33.1 -> 30.7; FP16 batch 32 / 4000 198.3 ->
-        190.3, batch 16 / 4000 100.6 -> 109.4 (slower). Widths of 2^k pages lost where 32 columns
-        made the split rule take rows of 30 pages as short ones (batch 32 / 4000 tokens, kitty
-        60.2 us against 55.1 at 31)."""
-        longest = max((self.pages_needed(self._lengths[s]) for s in slots), default=0)
-        width = 31
+        graph keeps the launch it captured, so each width is a graph of its own; these few widths
+        bound the captures (six at most a batch bucket for 128k positions). Sized for the whole
+        1022-page table of a 131072-position model, a launch cut 4000-token rows into one-page
+        splits in several waves: kitty's attention at batch 32 took 71.5 us a layer in the engine
+        against 57.5 sized for the rows (Llama-3.1-8B shape, H100; docs/benchmarks.md, session 46)."""
+        longest = self.pages_needed(max((self._lengths[s] for s in slots), default=0))  # pages never shrink
+        width = MIN_TABLE_PAGES
         while width < longest:
             width = 2 * width + 1
         return min(width, self.page_table.shape[1])

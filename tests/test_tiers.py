@@ -329,20 +329,29 @@ def test_attention_over_tiers_matches_direct_softmax(kv):
 
 def test_decode_table_width_holds_the_longest_row():
     """A decode step's attention sees the least 2^k - 1 columns (at least 31) of the page table that
-    hold the step's longest row, capped at the table, whatever the other rows hold; worked by hand
-    for sink 4 and window 8, where a row of n pages holds 12 + 128 n tokens once flushed."""
+    hold the step's longest row, capped at the table, whichever row that is; worked by hand for
+    sink 4 and window 8, where a row holds n pages from 12 + 128 n tokens. A graph capture, on
+    scratch rows, gets the width it is given."""
     cache = KVCache(quant.get_format("kitty"), n_layers=LAYERS, n_kv_heads=H, head_dim=D, sink=4, window=8,
                     max_seqs=3, max_seq_len=100 * PAGE_TOKENS + 12, num_pages=400)
     assert cache.page_table.shape[1] == 100
+
+    def width_seen() -> int:  # the page table's width in the attention's tiers
+        return cache._tiers(0, StepCounts(*cache._step.counts[0])).page_table.shape[1]
+
     slots = [cache.admit(100 * PAGE_TOKENS + 12) for _ in range(3)]
-    for longest, want in ((0, 31), (1, 31), (31, 31), (32, 63), (63, 63), (64, 100), (99, 100)):
-        cache.assume_stored(slots[0], 12 + PAGE_TOKENS * longest)
-        cache.assume_stored(slots[1], 12 + PAGE_TOKENS * max(longest - 5, 0))
-        assert cache.decode_table_pages(slots[:2]) == want, f"longest row {longest} pages"
-        cache.prepare_step(slots[:2], 1)
-        assert cache._tiers(0, StepCounts(*cache._step.counts[0])).page_table.shape[1] == want
+    for tokens, want in ((0, 31), (12 + PAGE_TOKENS, 31), (12 + 32 * PAGE_TOKENS - 1, 31), (12 + 32 * PAGE_TOKENS, 63),
+                         (12 + 63 * PAGE_TOKENS, 63), (12 + 64 * PAGE_TOKENS, 100), (12 + 99 * PAGE_TOKENS, 100)):
+        cache.assume_stored(slots[0], tokens)
+        cache.assume_stored(slots[1], max(tokens - 5 * PAGE_TOKENS, 0))
+        for rows in (slots[:2], slots[1::-1]):
+            assert cache.decode_table_pages(rows) == want, f"longest row {tokens} tokens, rows {rows}"
+            cache.prepare_step(rows, 1)
+            assert width_seen() == want
     assert cache.decode_table_pages(slots[1:]) == 100  # slot 1's 94 pages (slot 2 is empty): 127, capped
     assert cache.decode_table_pages(slots[2:]) == 31
+    cache.prepare_step([], 1, rows=2, table_pages=63)
+    assert width_seen() == 63
 
 
 def test_decode_over_more_pages_than_the_narrowest_table_matches_direct_softmax():
