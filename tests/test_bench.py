@@ -81,3 +81,29 @@ def test_kernel_variant_names_parse_into_launches():
     assert variant("u4-n4") == Launch(softmax_steps=4, block_n=4, pdl=False)
     with pytest.raises(ValueError, match="unknown kernel variant field 'x3'"):
         variant("n4-x3")
+
+
+def test_speed_and_capacity_take_a_kvmix_plan_for_other_layer_counts(tmp_path):
+    """`speed` and `capacity` run random-weight shapes whose layer count is not the shipped plan's
+    (SmolLM2-135M's 30): without --kv-plan kvmix is refused with an error naming the flag, with one
+    each layer gets the plan's own bits (the plan file is the oracle)."""
+    import json
+
+    from bench import build_parser, cache_shape
+    from shapes import random_model
+
+    cfg = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=32,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5)
+    model = random_model(cfg, "cpu", torch.float16)
+    bits = [(2, 2) if i % 3 else (4, 3) for i in range(32)]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"method": "kvmix", "layers": [
+        {"k_bits": k, "v_bits": v, "window_ratio": 0.1} for k, v in bits]}))
+    for command in ("speed", "capacity"):
+        extra = ["--budget-gb", "1"] if command == "capacity" else []
+        args = build_parser().parse_args([command, "--kv", "kvmix", *extra])
+        with pytest.raises(ValueError, match="--kv-plan"):
+            cache_shape(model, "kvmix", args)
+        args = build_parser().parse_args([command, "--kv", "kvmix", "--kv-plan", str(plan), *extra])
+        shape = cache_shape(model, "kvmix", args)
+        assert [(f.k.bits, f.v.bits) for f in shape.formats] == bits
