@@ -924,7 +924,7 @@ class Launch:
     num_splits: page splits per (row, kv head), 0 = one program walks everything (no merge);
     default: default_splits. programs_per_sm: what the default split count aims at
     (PROGRAMS_PER_SM; NF4 pages: NF4_PROGRAMS_PER_SM). min_pages: fewest pages per split (MIN_PAGES_PER_SPLIT). recent_parts:
-    programs the FP16 recent tier is split over (RECENT_PARTS). step: tokens per inner step (a power of 2, 16..PAGE_TOKENS; default
+    programs the FP16 recent tier is split over (RECENT_PARTS, more for a long tier: RECENT_PART_TOKENS). step: tokens per inner step (a power of 2, 16..PAGE_TOKENS; default
     _step). block_n: query rows per program (a power of 2 >= 4, which tl.dot pads to the MMA's 8
     itself; default the rows rounded up to BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton
     launch options (defaults NUM_WARPS or FP16_PAGE_WARPS, NUM_STAGES). asm:
@@ -1050,6 +1050,14 @@ RECENT_PARTS = 4
 # whole tier. Llama-3-8B shape, H100, session 18: batch 16 / 32k kitty 188.7 -> 186.5 us,
 # kitty-pro 216.6 -> 214.0; batch 296 / 8k kitty 873 -> 856; batch 64 / 32k level; at batch 1 /
 # 32k one program was 5-18% slower. (Between batch 1 and 16 the threshold is not measured.)
+# Where a launch is not crowded, a long recent tier gets a program per RECENT_PART_TOKENS of the view it
+# comes in (about a 2-page split's tokens): a fixed window is a few hundred tokens, but KVmix keeps a
+# share of the context there (10-20%, thousands of tokens at 32k), and a program walks its chunk 32
+# tokens a memory latency. The cache passes a view as long as the step's longest row can need
+# (KVCache.recent_tokens), so a default window (a 256-token view) keeps 4 programs. Llama-3.1-8B shape
+# with a 32-layer KVmix plan, H100, session 47: batch 1 / 32k 121-135 -> 158.6 tok/s (FP16 145.9). A
+# crowded launch keeps its one program: at batch 16 / 4000, 3-4 parts took 63.3 us a layer against 61.5.
+RECENT_PART_TOKENS = 256
 NUM_WARPS = 1
 # FP16 pages have no codes to unpack. In a launch of few programs (at most FEW_PROGRAMS_PER_SM
 # per SM, i.e. latency-bound: batch 1 up to ~4k tokens) they take a whole page per step (up to
@@ -1344,7 +1352,8 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     # (row, kv head) pairs for at least half the SMs: their splits may come in several waves
     many_rows = not _few_rows(B * H * n_blocks, q.device)
     crowded = many_rows and not plain
-    tiers = 1 + (launch.recent_parts or (1 if crowded else RECENT_PARTS))
+    recent_parts = 1 if crowded else max(RECENT_PARTS, -(-recent_k.shape[2] // RECENT_PART_TOKENS))
+    tiers = 1 + (launch.recent_parts or recent_parts)
     n_parts = 1 if one else num_splits + tiers
     few_programs = B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)
     whole_pages = kl.bits == vl.bits == 16 and few_programs

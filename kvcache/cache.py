@@ -104,6 +104,7 @@ class KVCache:
         self._flush_plans = {w: _FlushPlan.of([layer for layer in range(n_layers) if self.windows[layer] == w],
                                               {0: k_groups, 1: v_groups}, self.device)
                              for w in self._window_row}
+        self._recent_views: dict[int, tuple[int, ...]] = {}  # recent_tokens' answers by table width
         self._step_slots = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self._step_counts = torch.zeros(len(self._window_row), len(StepCounts._fields), max_seqs, dtype=torch.int32,
                                         device=self.device)
@@ -224,6 +225,24 @@ class KVCache:
             width = 2 * width + 1
         return min(width, self.page_table.shape[1])
 
+    def recent_tokens(self, table_pages: int) -> tuple[int, ...]:
+        """Per layer, the most tokens its recent tier holds in a step whose rows' pages fit in
+        table_pages columns: the window of the longest such row, and a page waiting for its flush
+        (at most that, with the step's token: see _step_counts). The attention sees the recent tier
+        that long and splits a long one over more programs (attention.RECENT_PART_TOKENS). With a
+        fixed window this is window + 128 at every width; KVmix's windows grow with the row."""
+        if table_pages not in self._recent_views:
+            longest = self.max_seq_len
+            if table_pages < self.page_table.shape[1]:  # the longest row whose pages fit (pages never shrink)
+                lo, hi = 0, self.max_seq_len
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if self.pages_needed(mid) <= table_pages else (lo, mid - 1)
+                longest = lo
+            room = self.shape.dense_tokens - self.sink
+            self._recent_views[table_pages] = tuple(min(room, w.at(longest) + PAGE_TOKENS) for w in self.windows)
+        return self._recent_views[table_pages]
+
     def step_positions(self) -> torch.Tensor:
         """The device half of beginning a step, in GPU ops only so that a CUDA graph can replay
         it: each row's stored length gives the tier counts its attention sees, then advances by
@@ -300,10 +319,11 @@ class KVCache:
                 torch.cat([*(t.to(v.dtype) for t in values), v], dim=1)[None])
 
     def _tiers(self, layer: int, counts: StepCounts) -> kernels.Tiers:
-        S = self.sink
+        S, W = self.sink, self._step.table_pages
+        R = S + self.recent_tokens(W)[layer]
         dk, dv = self.dense_k[layer], self.dense_v[layer]
         return kernels.Tiers(dk[:, :, :S], dv[:, :, :S], counts.n_sink, self.k_pages[layer], self.v_pages[layer],
-                             self.page_table[:, :self._step.table_pages], counts.n_pages, dk[:, :, S:], dv[:, :, S:],
+                             self.page_table[:, :W], counts.n_pages, dk[:, :, S:R], dv[:, :, S:R],
                              counts.n_recent, self._step.slots_t)
 
     def end_step(self) -> None:

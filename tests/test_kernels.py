@@ -423,6 +423,29 @@ def test_split_count_does_not_change_the_result(name, window, lse, short_pages, 
     assert err < TOL, f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("sms,recent_parts", [(132, 5), (4, 1)])
+def test_long_recent_tier_gets_a_program_per_part_of_its_view(sms, recent_parts, monkeypatch):
+    """A recent tier of 700 and 1100 tokens (KVmix keeps a share of the context there) in a view of
+    1105: one program per RECENT_PART_TOKENS of the view, 5, instead of the usual 4 (on 132 SMs);
+    on 4 SMs, where the launch is crowded, still one. The result is the reference's."""
+    monkeypatch.setattr(attention, "_sm_count", lambda device: sms)
+    parts = []
+
+    def poisoned(shape, device):  # records the partials' parts: splits + sink + recent chunks
+        parts.append(shape[1])
+        return torch.full(shape, float("nan"), device=device)
+
+    monkeypatch.setattr(attention, "_scratch", poisoned)
+    gen = torch.Generator().manual_seed(11)
+    c = make_cache(get_format("kvmix:3v3"), 2, 64, [SINK, SINK], [3, 1], [1100, 700], gen)
+    q = torch.randn(2, 8, 64, generator=gen).to(DEVICE, DTYPE)
+    got = call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(num_splits=2))
+    assert c["recent_k"].shape[2] == 1105 and parts[0] == 2 + 1 + recent_parts
+    want = call(reference.decode_attention, q, c, 0.125).float()
+    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+    assert err < TOL, f"relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("batch,pages,want", [
     (1, 256, 128),   # 32k: 2 pages a split at least; 8 x 128 programs are one wave
     (1, 512, 132),   # 64k: 256 of 2 pages are 2 waves x (2 + 1) = 6; 132 of 4 (128 live) one wave, 5

@@ -555,6 +555,33 @@ def test_kvmix_layers_keep_their_share_of_the_context_in_fp16():
     assert high["pages"] == len(seq.rules[1].pages) * quant.get_format("kivi-k4v4").page_bytes(H, D)
 
 
+def test_recent_view_holds_the_recent_tier_of_every_row_the_width_serves():
+    """A step's tiers give each layer's recent tier a view as long as the rows its table width
+    serves can need, so that the attention splits a long tier (KVmix's, a share of the context)
+    over more programs: at least, and within a page's growth of the window of, the most recent
+    tokens a decode step's counts (what the attention reads) hold, found by trying every length
+    whose pages fit the width. A fixed window stays at window + 128 at every width."""
+    from kvcache.cache import _step_counts
+
+    ratios = (0.1, 0.25)
+    plan = {"method": "kvmix", "layers": [{"k_bits": 2, "v_bits": 2, "window_ratio": r} for r in ratios]}
+    n = 200 * PAGE_TOKENS
+    cache = KVCache(quant.get_format("kvmix", plan=plan), n_layers=LAYERS, n_kv_heads=H, head_dim=D, sink=4, window=8,
+                    max_seqs=1, max_seq_len=n, num_pages=1)
+    stored = torch.arange(n)  # a decode step's row has stored < n tokens
+    pages = torch.stack([(stored - 4 - w.tokens_t(stored)).clamp(min=0) // PAGE_TOKENS for w in cache.windows])
+    pages = pages.max(0).values  # the layer with the shortest window holds the most
+    for width in (31, 63, 127, cache.page_table.shape[1]):
+        cache.prepare_step([], 1, rows=1, table_pages=width)
+        for layer, ratio in enumerate(ratios):
+            most = int(_step_counts(stored, 4, cache.windows[layer], 1)[3][pages <= width].max())
+            seen = cache._tiers(layer, StepCounts(*cache._step.counts[0])).recent_k.shape[2]  # (any counts)
+            assert most <= seen <= most + ratio * PAGE_TOKENS, f"width {width}, layer {layer}: {seen} for {most}"
+    fixed = KVCache(quant.get_format("kitty"), n_layers=LAYERS, n_kv_heads=H, head_dim=D, sink=4, window=8,
+                    max_seqs=1, max_seq_len=n, num_pages=1)
+    assert {fixed.recent_tokens(w) for w in (31, 63, fixed.page_table.shape[1])} == {(8 + PAGE_TOKENS,) * LAYERS}
+
+
 def test_kitty_q_aware_boosts_the_channels_the_queries_weigh():
     """kitty:score=q-aware ranks a page's key channels by range x the mean |q| the cache keeps per
     sequence and kv head: queries that lean on one channel (a different one per sequence) get it
