@@ -23,6 +23,7 @@ its windows; kernels/ encodes pages and attends over them; tiers.py holds the ti
 
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
 import torch
@@ -232,13 +233,8 @@ class KVCache:
         that long and splits a long one over more programs (attention.RECENT_PART_TOKENS). With a
         fixed window this is window + 128 at every width; KVmix's windows grow with the row."""
         if table_pages not in self._recent_views:
-            longest = self.max_seq_len
-            if table_pages < self.page_table.shape[1]:  # the longest row whose pages fit (pages never shrink)
-                lo, hi = 0, self.max_seq_len
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    lo, hi = (mid, hi) if self.pages_needed(mid) <= table_pages else (lo, mid - 1)
-                longest = lo
+            # the longest row whose pages fit (pages never shrink as a row grows)
+            longest = bisect.bisect_right(range(self.max_seq_len + 1), table_pages, key=self.pages_needed) - 1
             room = self.shape.dense_tokens - self.sink
             self._recent_views[table_pages] = tuple(min(room, w.at(longest) + PAGE_TOKENS) for w in self.windows)
         return self._recent_views[table_pages]
