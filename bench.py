@@ -180,11 +180,15 @@ def cache_shape(model: Transformer, kv: str, args) -> CacheShape:
                          mc.max_seq_len, dtype)
 
 
+def cache_settings(args) -> dict:
+    """The engine settings of the cache that speed and capacity take from their command line."""
+    return dict(sink=args.sink, window=args.window, backend=args.backend, kv_plan=args.kv_plan, tp=args.tp)
+
+
 def speed_llm(model: Transformer, kv: str, batch: int, tokens: int, args) -> LLM:
     """An LLM whose page pool holds exactly `batch` sequences of `tokens` tokens."""
-    return LLM(model, kv=kv, device="cuda", max_batch=batch, sink=args.sink, window=args.window, backend=args.backend,
-               kv_plan=args.kv_plan, prefill_chunk=args.prefill_chunk, num_pages=batch * cache_shape(model, kv, args).pages_needed(tokens),
-               tp=args.tp)
+    return LLM(model, kv=kv, device="cuda", max_batch=batch, prefill_chunk=args.prefill_chunk,
+               num_pages=batch * cache_shape(model, kv, args).pages_needed(tokens), **cache_settings(args))
 
 
 def tp_model(args, cfg: dict, dtype: torch.dtype, max_seq_len: int) -> tuple[Transformer, bool]:
@@ -333,8 +337,8 @@ def cmd_capacity(args) -> None:
                    max_seqs=n, bytes_per_seq=per_seq * args.tp, device=torch.cuda.get_device_name(), tp=args.tp)
         if n and not args.no_decode:
             torch.cuda.empty_cache()
-            llm = LLM(model, kv=method, device="cuda", max_batch=n, sink=args.sink, window=args.window,
-                      backend=args.backend, kv_plan=args.kv_plan, num_pages=n * shape.pages_needed(tokens), tp=args.tp)
+            llm = LLM(model, kv=method, device="cuda", max_batch=n, num_pages=n * shape.pages_needed(tokens),
+                      **cache_settings(args))
             llm.cache.randomize()
             if not leader:
                 llm.follow()

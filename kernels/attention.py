@@ -1054,9 +1054,10 @@ RECENT_PARTS = 4
 # comes in (about a 2-page split's tokens): a fixed window is a few hundred tokens, but KVmix keeps a
 # share of the context there (10-20%, thousands of tokens at 32k), and a program walks its chunk 32
 # tokens a memory latency. The cache passes a view as long as the step's longest row can need
-# (KVCache.recent_tokens), so a default window (a 256-token view) keeps 4 programs. Llama-3.1-8B shape
-# with a 32-layer KVmix plan, H100, session 47: batch 1 / 32k 121-135 -> 158.6 tok/s (FP16 145.9). A
-# crowded launch keeps its one program: at batch 16 / 4000, 3-4 parts took 63.3 us a layer against 61.5.
+# (KVCache.recent_view_tokens), so a default window (a 256-token view), and any fixed window up to 896
+# tokens, keeps 4 programs. Llama-3.1-8B shape with a 32-layer KVmix plan, H100, session 47: batch 1 /
+# 32k 121-135 -> 158.6 tok/s (FP16 145.9). A crowded launch keeps its one program: at batch 16 / 4000,
+# 3-4 parts took 63.3 us a layer against 61.5.
 RECENT_PART_TOKENS = 256
 NUM_WARPS = 1
 # FP16 pages have no codes to unpack. In a launch of few programs (at most FEW_PROGRAMS_PER_SM
@@ -1352,7 +1353,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     # (row, kv head) pairs for at least half the SMs: their splits may come in several waves
     many_rows = not _few_rows(B * H * n_blocks, q.device)
     crowded = many_rows and not plain
-    recent_parts = 1 if crowded else max(RECENT_PARTS, -(-recent_k.shape[2] // RECENT_PART_TOKENS))
+    recent_parts = 1 if crowded else max(RECENT_PARTS, triton.cdiv(recent_k.shape[2], RECENT_PART_TOKENS))
     tiers = 1 + (launch.recent_parts or recent_parts)
     n_parts = 1 if one else num_splits + tiers
     few_programs = B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)

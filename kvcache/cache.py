@@ -105,7 +105,7 @@ class KVCache:
         self._flush_plans = {w: _FlushPlan.of([layer for layer in range(n_layers) if self.windows[layer] == w],
                                               {0: k_groups, 1: v_groups}, self.device)
                              for w in self._window_row}
-        self._recent_views: dict[int, tuple[int, ...]] = {}  # recent_tokens' answers by table width
+        self._recent_views: dict[int, tuple[int, ...]] = {}  # recent_view_tokens' answers by table width
         self._step_slots = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self._step_counts = torch.zeros(len(self._window_row), len(StepCounts._fields), max_seqs, dtype=torch.int32,
                                         device=self.device)
@@ -226,17 +226,17 @@ class KVCache:
             width = 2 * width + 1
         return min(width, self.page_table.shape[1])
 
-    def recent_tokens(self, table_pages: int) -> tuple[int, ...]:
+    def recent_view_tokens(self, table_pages: int) -> tuple[int, ...]:
         """Per layer, the most tokens its recent tier holds in a step whose rows' pages fit in
-        table_pages columns: the window of the longest such row, and a page waiting for its flush
-        (at most that, with the step's token: see _step_counts). The attention sees the recent tier
-        that long and splits a long one over more programs (attention.RECENT_PART_TOKENS). With a
-        fixed window this is window + 128 at every width; KVmix's windows grow with the row."""
+        table_pages columns: the window of the longest such row, plus up to 127 tokens not yet
+        flushed and the step's own token (_step_counts). The attention sees the recent tier that
+        long and splits a long one over more programs (attention.RECENT_PART_TOKENS). With a fixed
+        window this is window + 128 at every width; KVmix's windows grow with the row."""
         if table_pages not in self._recent_views:
             # the longest row whose pages fit (pages never shrink as a row grows)
             longest = bisect.bisect_right(range(self.max_seq_len + 1), table_pages, key=self.pages_needed) - 1
-            room = self.shape.dense_tokens - self.sink
-            self._recent_views[table_pages] = tuple(min(room, w.at(longest) + PAGE_TOKENS) for w in self.windows)
+            # (longest <= max_seq_len, so this fits the dense buffer: CacheShape.dense_tokens)
+            self._recent_views[table_pages] = tuple(w.at(longest) + PAGE_TOKENS for w in self.windows)
         return self._recent_views[table_pages]
 
     def step_positions(self) -> torch.Tensor:
@@ -315,11 +315,11 @@ class KVCache:
                 torch.cat([*(t.to(v.dtype) for t in values), v], dim=1)[None])
 
     def _tiers(self, layer: int, counts: StepCounts) -> kernels.Tiers:
-        S, W = self.sink, self._step.table_pages
-        R = S + self.recent_tokens(W)[layer]
+        S, width = self.sink, self._step.table_pages
+        R = S + self.recent_view_tokens(width)[layer]
         dk, dv = self.dense_k[layer], self.dense_v[layer]
         return kernels.Tiers(dk[:, :, :S], dv[:, :, :S], counts.n_sink, self.k_pages[layer], self.v_pages[layer],
-                             self.page_table[:, :W], counts.n_pages, dk[:, :, S:R], dv[:, :, S:R],
+                             self.page_table[:, :width], counts.n_pages, dk[:, :, S:R], dv[:, :, S:R],
                              counts.n_recent, self._step.slots_t)
 
     def end_step(self) -> None:

@@ -83,13 +83,14 @@ def test_kernel_variant_names_parse_into_launches():
         variant("n4-x3")
 
 
-def test_speed_and_capacity_take_a_kvmix_plan_for_other_layer_counts(tmp_path):
+def test_speed_and_capacity_take_a_kvmix_plan_for_other_layer_counts(tmp_path, monkeypatch):
     """`speed` and `capacity` run random-weight shapes whose layer count is not the shipped plan's
     (SmolLM2-135M's 30): without --kv-plan kvmix is refused with an error naming the flag, with one
-    each layer gets the plan's own bits (the plan file is the oracle)."""
+    each layer gets the plan's own bits (the plan file is the oracle), and the engine is built with it."""
     import json
 
-    from bench import build_parser, cache_shape
+    import bench
+    from bench import build_parser, cache_settings, cache_shape
     from shapes import random_model
 
     cfg = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=32,
@@ -107,3 +108,8 @@ def test_speed_and_capacity_take_a_kvmix_plan_for_other_layer_counts(tmp_path):
         args = build_parser().parse_args([command, "--kv", "kvmix", "--kv-plan", str(plan), *extra])
         shape = cache_shape(model, "kvmix", args)
         assert [(f.k.bits, f.v.bits) for f in shape.formats] == bits
+        assert cache_settings(args)["kv_plan"] == str(plan)  # what both commands' engines are built with
+    built = {}
+    monkeypatch.setattr(bench, "LLM", lambda model, **settings: built.update(settings))
+    bench.speed_llm(model, "kvmix", 2, 1000, build_parser().parse_args(["speed", "--kv-plan", str(plan)]))
+    assert built["kv_plan"] == str(plan) and built["kv"] == "kvmix"

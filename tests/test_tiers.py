@@ -579,7 +579,7 @@ def test_recent_view_holds_the_recent_tier_of_every_row_the_width_serves():
             assert most <= seen <= most + ratio * PAGE_TOKENS, f"width {width}, layer {layer}: {seen} for {most}"
     fixed = KVCache(quant.get_format("kitty"), n_layers=LAYERS, n_kv_heads=H, head_dim=D, sink=4, window=8,
                     max_seqs=1, max_seq_len=n, num_pages=1)
-    assert {fixed.recent_tokens(w) for w in (31, 63, fixed.page_table.shape[1])} == {(8 + PAGE_TOKENS,) * LAYERS}
+    assert {fixed.recent_view_tokens(w) for w in (31, 63, fixed.page_table.shape[1])} == {(8 + PAGE_TOKENS,) * LAYERS}
 
 
 def test_kitty_q_aware_boosts_the_channels_the_queries_weigh():
