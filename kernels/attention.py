@@ -756,15 +756,19 @@ def _page_split(n_pg, num_splits, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.const
     return per, tl.cdiv(n_pg, per)
 
 
-@triton.jit
+# The tier count is a run-time argument, and left unspecialized (Triton would otherwise compile a variant
+# for counts divisible by 16): KVmix's recent tier, and so its count, grows with the table width. As a
+# constexpr it compiled the split and merge kernels again at each new width, mid-decode: two of each,
+# ~8.5 s, at widths 127 and 255 of a 2-layer KVmix plan on an H100; none now (session 48).
+@triton.jit(do_not_specialize=["tiers"])
 def _split_kernel(
     Q, LEVELS, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V, NREC, O_PART, LSE_PART, OUT, LSE_OUT,
     K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS,
     V_CODES, V_SCALE, V_ZERO, V_MULT, V_HIGH, V_IDS,
-    qk_scale, num_splits, M, n_queries, q_pos_offset, window, s_pt_b, s_pt_p,
+    qk_scale, num_splits, tiers, M, n_queries, q_pos_offset, window, s_pt_b, s_pt_p,
     s_sink_b, s_sink_h, s_sink_t, s_rec_b, s_rec_h, s_rec_t,
     H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TOKENS: tl.constexpr, STEP: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, DENSE_STEP: tl.constexpr, TIERS: tl.constexpr, LOG2_D: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, DENSE_STEP: tl.constexpr, LOG2_D: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, ASM: tl.constexpr, ONE_PROGRAM: tl.constexpr, RETURN_LSE: tl.constexpr,
     K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
     K_S_HEAD: tl.constexpr, K_S_TOK: tl.constexpr, K_HDIV: tl.constexpr, K_GROUP: tl.constexpr,
@@ -780,7 +784,7 @@ def _split_kernel(
     tl.static_assert(not V_COLUMNS_SWAPPED, "value planes are stored channel-major, never with swapped columns")
     bh = tl.program_id(0)
     part = tl.program_id(1)
-    split = part - TIERS  # page split >= 0; part 0: the sink; parts 1 .. TIERS-1: chunks of the recent tier
+    split = part - tiers  # page split >= 0; part 0: the sink; parts 1 .. tiers-1: chunks of the recent tier
     b = bh // H
     h = bh % H
     dt = Q.dtype.element_ty  # tl.dot operand type: fp16 on the GPU path, fp32 for exact tests
@@ -849,7 +853,7 @@ def _split_kernel(
                                         SINK_V + slot * s_sink_b + h * s_sink_h, s_sink_t, n_sink, 0, q_pos, window,
                                         d, qk_scale, dt, HAS_WINDOW, DENSE_STEP)
         if ONE_PROGRAM or part > 0:
-            chunk = tl.cdiv(tl.cdiv(n_rec, TIERS - 1), DENSE_STEP) * DENSE_STEP
+            chunk = tl.cdiv(tl.cdiv(n_rec, tiers - 1), DENSE_STEP) * DENSE_STEP
             r0 = 0 if ONE_PROGRAM else (part - 1) * chunk
             n_chunk = n_rec if ONE_PROGRAM else tl.minimum(n_rec - r0, chunk)
             m_i, l_i, acc = _dense_tier(q, m_i, l_i, acc, REC_K + slot * s_rec_b + h * s_rec_h + r0 * s_rec_t,
@@ -866,18 +870,18 @@ def _split_kernel(
         if RETURN_LSE:
             tl.store(LSE_OUT + bh * M + n_rows, lse * 0.6931471805599453, mask=n_ok)  # base 2 -> natural log
     elif split < n_live:
-        row = (bh * (num_splits + TIERS) + part) * M + n_rows
+        row = (bh * (num_splits + tiers) + part) * M + n_rows
         tl.store(O_PART + row[None, :] * D + d[:, None], o, mask=n_ok[None, :])
         tl.store(LSE_PART + row, lse, mask=n_ok)
 
 
-@triton.jit
-def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, M, H: tl.constexpr, D: tl.constexpr,
-                  D_BLOCK: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, TIERS: tl.constexpr, CHUNK: tl.constexpr,
+@triton.jit(do_not_specialize=["tiers"])
+def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, tiers, M, H: tl.constexpr, D: tl.constexpr,
+                  D_BLOCK: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, CHUNK: tl.constexpr,
                   RETURN_LSE: tl.constexpr, PDL: tl.constexpr):
     """out[bh, m] = sum over the row's written partials of o_s * 2^lse_s / sum 2^lse_s (0 if no
     split saw a token), and optionally the total log-sum-exp in natural log. The partials are the
-    FP16 tiers' TIERS parts and the row's live page splits (_page_split), read CHUNK at a time in
+    FP16 tiers' `tiers` parts and the row's live page splits (_page_split), read CHUNK at a time in
     one pass: a chunk's log-sum-exps and outputs are loaded together (every live partial is
     written, an empty one as o = 0, lse = -inf), and the running sums are rescaled when a chunk
     raises the max, so a row of up to CHUNK partials costs one memory latency. Each program merges
@@ -888,14 +892,14 @@ def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, M, H: tl.c
     # (the page counts are written between steps, never by a decode kernel: read before the wait)
     _, n_live = _page_split(tl.load(NPAGES + bh // H).to(tl.int32), num_splits, MIN_PAGES, SHORT_PAGES)
     release_then_wait(PDL)  # the o_proj GEMV behind launches now (pdl.py)
-    n_read = n_live + TIERS
+    n_read = n_live + tiers
     top = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], tl.float32)
     out = tl.zeros([D_BLOCK], tl.float32)
     for s0 in range(0, n_read, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
         ok = s < n_read
-        part = (bh * (num_splits + TIERS) + s) * M + m
+        part = (bh * (num_splits + tiers) + s) * M + m
         lse = tl.load(LSE_PART + part, mask=ok, other=float("-inf"))
         o = tl.load(O_PART + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         new_top = tl.maximum(top, tl.max(lse, 0))
@@ -1057,7 +1061,8 @@ RECENT_PARTS = 4
 # (KVCache.recent_view_tokens), so a default window (a 256-token view), and any fixed window up to 896
 # tokens, keeps 4 programs. Llama-3.1-8B shape with a 32-layer KVmix plan, H100, session 47: batch 1 /
 # 32k 121-135 -> 158.6 tok/s (FP16 145.9). A crowded launch keeps its one program: at batch 16 / 4000,
-# 3-4 parts took 63.3 us a layer against 61.5.
+# 3-4 parts took 63.3 us a layer against 61.5, and at batch 10 / 32k (3200-6400 tokens a row), parts of
+# 2048 tokens were level (566.4 tok/s against 563.8; session 48).
 RECENT_PART_TOKENS = 256
 NUM_WARPS = 1
 # FP16 pages have no codes to unpack. In a launch of few programs (at most FEW_PROGRAMS_PER_SM
@@ -1402,13 +1407,13 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
             page_table, n_pages, sink_k, sink_v, n_sink,
             recent_k, recent_v, n_recent, o_part, lse_part, out, lse,
             **kl.pointers(k_pages, "K_"), **vl.pointers(v_pages, "V_"),
-            qk_scale=scale * LOG2E, num_splits=num_splits, M=M, n_queries=Tq,
+            qk_scale=scale * LOG2E, num_splits=num_splits, tiers=tiers, M=M, n_queries=Tq,
             q_pos_offset=-1 if single else 0, window=window or 0,
             s_pt_b=page_table.stride(0), s_pt_p=page_table.stride(1),
             s_sink_b=sink_k.stride(0), s_sink_h=sink_k.stride(1), s_sink_t=sink_k.stride(2),
             s_rec_b=recent_k.stride(0), s_rec_h=recent_k.stride(1), s_rec_t=recent_k.stride(2),
             H=H, D=D, BLOCK_N=block_n, PAGE_TOKENS=PAGE_TOKENS, STEP=step, BLOCK_ROWS=_block_rows(kl, vl, step),
-            MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, DENSE_STEP=32, TIERS=tiers,
+            MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, DENSE_STEP=32,
             # Kitty's boosted plane, padded to whole MMA steps: rows of 32 bytes at least when pipelined, since Triton
             # copies 16-byte rows through registers instead (kitty batch 16 / 32k: 193 us with 16, 173 with 32)
             LOG2_D=D.bit_length() - 1, NB_PAD=max(32 if stages > 1 else 16, triton.next_power_of_2(kl.n_high)),
@@ -1422,7 +1427,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         d_block = min(D, 32)
         chunk = min(MERGE_CHUNK, triton.next_power_of_2(n_parts))
         _merge_kernel[(B * H, M, D // d_block)](
-            o_part, lse_part, out, lse, n_pages, num_splits, M, H=H, D=D, D_BLOCK=d_block,
-            MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, TIERS=tiers, CHUNK=chunk, RETURN_LSE=return_lse,
+            o_part, lse_part, out, lse, n_pages, num_splits, tiers, M, H=H, D=D, D_BLOCK=d_block,
+            MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, CHUNK=chunk, RETURN_LSE=return_lse,
             **pdl)
     return (out, lse) if return_lse else out

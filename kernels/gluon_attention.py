@@ -282,7 +282,9 @@ def gluon_split_kernel(Q, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V
                        H: gl.constexpr, TIERS: gl.constexpr, MIN_PAGES: gl.constexpr, SHORT_PAGES: gl.constexpr,
                        N_HIGH: gl.constexpr, HAS_SLOTS: gl.constexpr, PDL: gl.constexpr):
     """attention._split_kernel's partials for one (row, kv head, part): parts below TIERS the FP16
-    tiers (0 the sink, then chunks of the recent tier), the rest page splits (attention._page_split)."""
+    tiers (0 the sink, then chunks of the recent tier), the rest page splits (attention._page_split).
+    TIERS stays a constant here: this kernel serves Kitty's fixed windows, whose tier count never
+    changes in a run (the Triton kernel takes it at run time for KVmix's growing tier)."""
     bh = gl.program_id(0)
     part = gl.program_id(1)
     split = part - TIERS

@@ -446,6 +446,26 @@ def test_long_recent_tier_gets_a_program_per_part_of_its_view(sms, recent_parts,
     assert err < TOL, f"relative error {err:.2e}"
 
 
+@pytest.mark.skipif(not CUDA, reason="counts compiled kernels (the interpreter compiles none)")
+def test_a_longer_recent_tier_compiles_no_new_split_kernel(monkeypatch):
+    """KVmix's recent tier grows with the context, and with it the launch's tier count (5 parts for
+    a 1105-token view, 10 for 2405): the split kernel takes that count at run time, so a longer tier
+    reuses the compiled kernel instead of compiling one mid-decode. Both results are the reference's."""
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    compiled = attention._split_kernel.device_caches[torch.cuda.current_device()][0]
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 8, 64, generator=gen).to(DEVICE, DTYPE)
+    counts = []
+    for recent in ([1100, 700], [2400, 700]):
+        c = make_cache(get_format("kvmix:3v3"), 2, 64, [SINK, SINK], [3, 1], recent, gen)
+        got = call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(num_splits=2))
+        want = call(reference.decode_attention, q, c, 0.125).float()
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < TOL, f"relative error {err:.2e} with a {c['recent_k'].shape[2]}-token view"
+        counts.append(len(compiled))
+    assert counts[1] == counts[0], f"compiled split kernels went from {counts[0]} to {counts[1]}"
+
+
 @pytest.mark.parametrize("batch,pages,want", [
     (1, 256, 128),   # 32k: 2 pages a split at least; 8 x 128 programs are one wave
     (1, 512, 132),   # 64k: 256 of 2 pages are 2 waves x (2 + 1) = 6; 132 of 4 (128 live) one wave, 5
