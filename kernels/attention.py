@@ -756,10 +756,12 @@ def _page_split(n_pg, num_splits, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.const
     return per, tl.cdiv(n_pg, per)
 
 
-# The tier count is a run-time argument, and left unspecialized (Triton would otherwise compile a variant
-# for counts divisible by 16): KVmix's recent tier, and so its count, grows with the table width. As a
-# constexpr it compiled the split and merge kernels again at each new width, mid-decode: two of each,
-# ~8.5 s, at widths 127 and 255 of a 2-layer KVmix plan on an H100; none now (session 48).
+# The tier count: KVmix's recent tier, and so its count, grows with the table width. As a constexpr it
+# compiled the split and merge kernels again at each new width, mid-decode: two of each, ~8.5 s, at widths
+# 127 and 255 of a 2-layer KVmix plan on an H100. So a count above the fixed window's comes as the run-time
+# `tiers` (FIXED_TIERS = 0), left unspecialized (Triton would otherwise compile a variant for counts
+# divisible by 16). The fixed windows' counts stay constants (FIXED_TIERS = tiers): read at run time they
+# cost the FP16 kernel at batch 1 / 32k 0.8 us of 52 (session 48).
 @triton.jit(do_not_specialize=["tiers"])
 def _split_kernel(
     Q, LEVELS, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V, NREC, O_PART, LSE_PART, OUT, LSE_OUT,
@@ -768,7 +770,7 @@ def _split_kernel(
     qk_scale, num_splits, tiers, M, n_queries, q_pos_offset, window, s_pt_b, s_pt_p,
     s_sink_b, s_sink_h, s_sink_t, s_rec_b, s_rec_h, s_rec_t,
     H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TOKENS: tl.constexpr, STEP: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, DENSE_STEP: tl.constexpr, LOG2_D: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, DENSE_STEP: tl.constexpr, FIXED_TIERS: tl.constexpr, LOG2_D: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, ASM: tl.constexpr, ONE_PROGRAM: tl.constexpr, RETURN_LSE: tl.constexpr,
     K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
     K_S_HEAD: tl.constexpr, K_S_TOK: tl.constexpr, K_HDIV: tl.constexpr, K_GROUP: tl.constexpr,
@@ -784,6 +786,8 @@ def _split_kernel(
     tl.static_assert(not V_COLUMNS_SWAPPED, "value planes are stored channel-major, never with swapped columns")
     bh = tl.program_id(0)
     part = tl.program_id(1)
+    if FIXED_TIERS > 0:
+        tiers = FIXED_TIERS
     split = part - tiers  # page split >= 0; part 0: the sink; parts 1 .. tiers-1: chunks of the recent tier
     b = bh // H
     h = bh % H
@@ -877,8 +881,8 @@ def _split_kernel(
 
 @triton.jit(do_not_specialize=["tiers"])
 def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, tiers, M, H: tl.constexpr, D: tl.constexpr,
-                  D_BLOCK: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, CHUNK: tl.constexpr,
-                  RETURN_LSE: tl.constexpr, PDL: tl.constexpr):
+                  D_BLOCK: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, FIXED_TIERS: tl.constexpr,
+                  CHUNK: tl.constexpr, RETURN_LSE: tl.constexpr, PDL: tl.constexpr):
     """out[bh, m] = sum over the row's written partials of o_s * 2^lse_s / sum 2^lse_s (0 if no
     split saw a token), and optionally the total log-sum-exp in natural log. The partials are the
     FP16 tiers' `tiers` parts and the row's live page splits (_page_split), read CHUNK at a time in
@@ -892,6 +896,8 @@ def _merge_kernel(O_PART, LSE_PART, OUT, LSE_OUT, NPAGES, num_splits, tiers, M, 
     # (the page counts are written between steps, never by a decode kernel: read before the wait)
     _, n_live = _page_split(tl.load(NPAGES + bh // H).to(tl.int32), num_splits, MIN_PAGES, SHORT_PAGES)
     release_then_wait(PDL)  # the o_proj GEMV behind launches now (pdl.py)
+    if FIXED_TIERS > 0:
+        tiers = FIXED_TIERS
     n_read = n_live + tiers
     top = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], tl.float32)
@@ -1360,6 +1366,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     crowded = many_rows and not plain
     recent_parts = 1 if crowded else max(RECENT_PARTS, triton.cdiv(recent_k.shape[2], RECENT_PART_TOKENS))
     tiers = 1 + (launch.recent_parts or recent_parts)
+    fixed_tiers = tiers if tiers <= 1 + RECENT_PARTS else 0  # (see _split_kernel)
     n_parts = 1 if one else num_splits + tiers
     few_programs = B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)
     whole_pages = kl.bits == vl.bits == 16 and few_programs
@@ -1413,7 +1420,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
             s_sink_b=sink_k.stride(0), s_sink_h=sink_k.stride(1), s_sink_t=sink_k.stride(2),
             s_rec_b=recent_k.stride(0), s_rec_h=recent_k.stride(1), s_rec_t=recent_k.stride(2),
             H=H, D=D, BLOCK_N=block_n, PAGE_TOKENS=PAGE_TOKENS, STEP=step, BLOCK_ROWS=_block_rows(kl, vl, step),
-            MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, DENSE_STEP=32,
+            MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, DENSE_STEP=32, FIXED_TIERS=fixed_tiers,
             # Kitty's boosted plane, padded to whole MMA steps: rows of 32 bytes at least when pipelined, since Triton
             # copies 16-byte rows through registers instead (kitty batch 16 / 32k: 193 us with 16, 173 with 32)
             LOG2_D=D.bit_length() - 1, NB_PAD=max(32 if stages > 1 else 16, triton.next_power_of_2(kl.n_high)),
@@ -1428,6 +1435,6 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         chunk = min(MERGE_CHUNK, triton.next_power_of_2(n_parts))
         _merge_kernel[(B * H, M, D // d_block)](
             o_part, lse_part, out, lse, n_pages, num_splits, tiers, M, H=H, D=D, D_BLOCK=d_block,
-            MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, CHUNK=chunk, RETURN_LSE=return_lse,
+            MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, FIXED_TIERS=fixed_tiers, CHUNK=chunk, RETURN_LSE=return_lse,
             **pdl)
     return (out, lse) if return_lse else out
