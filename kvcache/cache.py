@@ -8,9 +8,9 @@ Tokens enter at the end. When the recent tier reaches window + 128 tokens its ol
 encoded into one page (once every 128 decode steps; a window that is a share of the context,
 KVmix's, grows meanwhile, so its layers flush less often), so a page never changes after it is
 written. The sink and the recent tier of a sequence are two views of one dense buffer per
-layer, [slots, kv_heads, sink + longest window + 128, head_dim]; all layers' share one allocation,
-as do the pages of the layers that share a codec, so that a flush is a few launches, not a few
-per layer. Pages come from a pool sized from a memory budget with the format's real bytes per
+layer, [slots, kv_heads, sink + longest window + 128, head_dim]; the layers that share a window
+share one allocation, as do the pages of the layers that share a codec, so that a flush is a few
+launches, not a few per layer. Pages come from a pool sized from a memory budget with the format's real bytes per
 page; page j of a sequence holds its tokens sink + 128 j .. sink + 128 j + 127 in every layer,
 so one page table serves all layers, even when layers keep windows of different lengths (KVmix).
 
@@ -82,11 +82,20 @@ class KVCache:
         # Row max_seqs of the dense buffers and the page table is a scratch slot: padding rows
         # of a CUDA-graph batch bucket write there, never into a live sequence.
         self.scratch_slot = max_seqs
-        # K and V of every layer in one buffer [2, layers, slots + 1, kv_heads, tokens, head_dim], so
-        # that a flush moves the recent tier of all layers in one copy; dense_k/v[layer] are its views.
-        self._dense = torch.zeros((2, n_layers, max_seqs + 1, n_kv_heads, self.shape.dense_tokens, head_dim),
-                                  dtype=dtype, device=self.device)
-        self.dense_k, self.dense_v = list(self._dense[0]), list(self._dense[1])
+        # K and V of the layers of one window in one buffer [2, layers, slots + 1, kv_heads, tokens,
+        # head_dim], so that a flush moves their recent tiers in one copy; dense_k/v[layer] are its
+        # views. A buffer is as long as its own window gets: KVmix's windows are 10% of the context
+        # in most layers and 20% in a few, and one length for all cost Llama-3.1-8B (131072
+        # positions) 3.2 GiB a slot where the layers' own lengths take 1.9.
+        self._window_layers = {w: [layer for layer in range(n_layers) if self.windows[layer] == w]
+                               for w in sorted(set(self.windows))}
+        self._dense = {w: torch.zeros((2, len(layers), max_seqs + 1, n_kv_heads, self.shape.dense_tokens(w), head_dim),
+                                      dtype=dtype, device=self.device) for w, layers in self._window_layers.items()}
+        self.dense_k: list[torch.Tensor] = [None] * n_layers
+        self.dense_v: list[torch.Tensor] = [None] * n_layers
+        for w, layers in self._window_layers.items():
+            for i, layer in enumerate(layers):
+                self.dense_k[layer], self.dense_v[layer] = self._dense[w][0, i], self._dense[w][1, i]
         # Pages of the layers that share a codec live in one buffer per field, [layers, pages, ...],
         # so that a flush encodes those layers' tiles in one launch; k/v_pages[layer] are its views.
         self.k_pages, k_groups = _alloc_layer_fields([f.k for f in self.formats], num_pages, n_kv_heads, head_dim,
@@ -101,10 +110,9 @@ class KVCache:
         self.page_table = torch.zeros(max_seqs + 1, max(1, self.max_pages_per_seq), dtype=torch.int32, device=self.device)
         # Per-step inputs of the attention live in fixed buffers, so that a captured CUDA graph
         # replays a decode step once prepare_step has refreshed them.
-        self._window_row = {w: i for i, w in enumerate(sorted(set(self.windows)))}
-        self._flush_plans = {w: _FlushPlan.of([layer for layer in range(n_layers) if self.windows[layer] == w],
-                                              {0: k_groups, 1: v_groups}, self.device)
-                             for w in self._window_row}
+        self._window_row = {w: i for i, w in enumerate(self._window_layers)}
+        self._flush_plans = {w: _FlushPlan.of(layers, {0: k_groups, 1: v_groups}, self.device)
+                             for w, layers in self._window_layers.items()}
         self._recent_views: dict[int, tuple[int, ...]] = {}  # recent_view_tokens' answers by table width
         self._step_slots = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self._step_counts = torch.zeros(len(self._window_row), len(StepCounts._fields), max_seqs, dtype=torch.int32,
@@ -235,7 +243,7 @@ class KVCache:
         if table_pages not in self._recent_views:
             # the longest row whose pages fit (pages never shrink as a row grows)
             longest = bisect.bisect_right(range(self.max_seq_len + 1), table_pages, key=self.pages_needed) - 1
-            # (longest <= max_seq_len, so this fits the dense buffer: CacheShape.dense_tokens)
+            # (longest <= max_seq_len, so this fits each layer's dense buffer: CacheShape.dense_tokens)
             self._recent_views[table_pages] = tuple(w.at(longest) + PAGE_TOKENS for w in self.windows)
         return self._recent_views[table_pages]
 
@@ -329,7 +337,7 @@ class KVCache:
             # Which rows flush depends only on the window: decide, and flush, once per distinct window.
             for window, plan in self._flush_plans.items():
                 if full := self._rows_to_flush(step.slots, window):
-                    self._flush_decode(plan, full)
+                    self._flush_decode(window, plan, full)
         else:
             for layer in range(self.n_layers):
                 self._store_block(layer, step)
@@ -347,7 +355,7 @@ class KVCache:
                 full.append((s, n_pages, window.at(L)))
         return full
 
-    def _flush_decode(self, plan: "_FlushPlan", full: list[tuple[int, int, int]]) -> None:
+    def _flush_decode(self, window: Window, plan: "_FlushPlan", full: list[tuple[int, int, int]]) -> None:
         """Encode the oldest 128 recent tokens of these rows into their next pages, in the plan's layers.
         A flush comes once every 128 decode steps and the GPU waits for all of it: one launch per
         layer and side cost Llama-3-8B's 32 layers 9.6 ms of host time and, for Kitty's keys (8
@@ -355,29 +363,31 @@ class KVCache:
         launch, reading its tiles in place from the dense buffer, and the shift is one copy per group of
         layers (below)."""
         rows = to_device([s for s, _, _ in full], self.device)
-        self._encode_recent(plan, rows, to_device([self._pages[s][n] for s, n, _ in full], self.device))
+        self._encode_recent(window, plan, rows, to_device([self._pages[s][n] for s, n, _ in full], self.device))
         # Shift the remaining tokens to the front of the recent tier (the most any row keeps:
         # rows that keep fewer copy a few stale tokens past their end, which nothing reads).
         # The copy goes through a temporary, so it is cut into groups of layers of at most 64 MiB.
-        S, R = self.sink, max(left for _, _, left in full)
-        per_layer = max(1, 2 * self.n_kv_heads * R * self.head_dim * self._dense.element_size() * len(full))
+        S, R, dense = self.sink, max(left for _, _, left in full), self._dense[window]
+        per_layer = max(1, 2 * self.n_kv_heads * R * self.head_dim * dense.element_size() * len(full))
         group = max(1, (64 << 20) // per_layer)
-        for g in range(0, len(plan.layers) if R else 0, group):
-            at = (slice(None), plan.layers[g:g + group, None], rows[None, :], slice(None))
-            self._dense[at + (slice(S, S + R),)] = self._dense[at + (slice(S + PAGE_TOKENS, S + PAGE_TOKENS + R),)]
+        for g in range(0, dense.shape[1] if R else 0, group):
+            at = (slice(None), slice(g, g + group), rows, slice(None))
+            dense[at + (slice(S, S + R),)] = dense[at + (slice(S + PAGE_TOKENS, S + PAGE_TOKENS + R),)]
 
-    def _encode_recent(self, plan: "_FlushPlan", rows: torch.Tensor, page_ids: torch.Tensor) -> None:
-        """Encode the oldest 128 recent tokens of these rows [N] into these pages [N] in the plan's layers."""
+    def _encode_recent(self, window: Window, plan: "_FlushPlan", rows: torch.Tensor, page_ids: torch.Tensor) -> None:
+        """Encode the oldest 128 recent tokens of these rows [N] into these pages [N] in the layers of
+        this window (the plan's)."""
         S, slots, pages = self.sink, self.max_seqs + 1, self.pool.num_pages
-        for side, codec, fields, layers, in_group in plan.groups:
-            # tile (layer, row) is row layer * slots + row of the dense buffer seen as [layers x slots, ...]
-            # and goes to page in_group * pages + page of the group's fields seen as [layers x pages, ...]
-            tiles = self._dense[side].flatten(0, 1)[:, :, S:S + PAGE_TOKENS]
+        for side, codec, fields, layers, in_window, in_group in plan.groups:
+            # tile (layer, row) is row in_window * slots + row of the window's dense buffer seen as
+            # [layers x slots, ...] and goes to page in_group * pages + page of the group's fields seen
+            # as [layers x pages, ...]
+            tiles = self._dense[window][side].flatten(0, 1)[:, :, S:S + PAGE_TOKENS]
             weights = (self._query_weights[layers[:, None], rows[None, :]].flatten(0, 1)
                        if side == 0 and codec.needs_queries else None)
             kernels.encode_pages(codec, tiles, fields, (in_group[:, None] * pages + page_ids[None, :]).flatten(),
                                  backend=self.backend, query_weight=weights,
-                                 rows=(layers[:, None] * slots + rows[None, :]).flatten())
+                                 rows=(in_window[:, None] * slots + rows[None, :]).flatten())
 
     def warm_up(self) -> None:
         """Compile the page encoder of the flush now: otherwise a sequence whose prompt filled no
@@ -389,8 +399,9 @@ class KVCache:
         if self.pool.num_free != self.pool.num_pages:
             raise RuntimeError("warm_up writes page 0: call it before any sequence is admitted")
         if self.pool.num_pages:
-            for plan in self._flush_plans.values():
-                self._encode_recent(plan, to_device([self.scratch_slot], self.device), to_device([0], self.device))
+            for window, plan in self._flush_plans.items():
+                self._encode_recent(window, plan, to_device([self.scratch_slot], self.device),
+                                    to_device([0], self.device))
 
     def _store_block(self, layer: int, step: "_Step") -> None:
         """Place T new tokens per row: fill the sink, then append to the recent tier, encoding
@@ -526,11 +537,10 @@ def _alloc_layer_fields(codecs: list, num_pages: int, heads: int, head_dim: int,
 
 
 class _FlushPlan(NamedTuple):
-    """What a flush of one window's layers touches, uploaded once: the layers [L] and, per side (0
-    keys, 1 values) and codec, the codec, its fields [layers x pages, ...], its layers among these
-    [n] and their positions in its fields [n]."""
-    layers: torch.Tensor
-    groups: list[tuple[int, object, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]]
+    """What a flush of one window's layers touches, uploaded once: per side (0 keys, 1 values) and
+    codec, the codec, its fields [layers x pages, ...], its layers among the window's [n], and their
+    positions in the window's dense buffer [n] and in the codec's fields [n]."""
+    groups: list[tuple[int, object, dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]]
 
     @classmethod
     def of(cls, layers: list[int], groups_by_side: dict, device: torch.device) -> "_FlushPlan":
@@ -540,8 +550,9 @@ class _FlushPlan(NamedTuple):
                 mine = [layer for layer in group_layers if layer in layers]
                 if mine:
                     plan.append((side, codec, fields, to_device(mine, device),
+                                 to_device([layers.index(layer) for layer in mine], device),
                                  to_device([group_layers.index(layer) for layer in mine], device)))
-        return cls(to_device(layers, device), plan)
+        return cls(plan)
 
 
 def _fill_random(t: torch.Tensor, name: str) -> None:

@@ -89,15 +89,16 @@ class CacheShape:
     def n_layers(self) -> int:
         return len(self.formats)
 
-    @property
-    def dense_tokens(self) -> int:
-        """Tokens of a slot's full-precision buffer: the sink, the longest window a sequence
-        reaches, and one page."""
-        return self.sink + max(w.at(self.max_seq_len) for w in self.windows) + PAGE_TOKENS
+    def dense_tokens(self, window: Window) -> int:
+        """Tokens of a slot's full-precision buffer in a layer of this window: the sink, the most
+        the window reaches, and one page."""
+        return self.sink + window.at(self.max_seq_len) + PAGE_TOKENS
 
     def slot_bytes(self) -> int:
-        """Bytes of one sequence slot's full-precision sink and recent buffers, K and V, all layers."""
-        return self.n_layers * 2 * self.n_kv_heads * self.dense_tokens * self.head_dim * self.dtype.itemsize
+        """Bytes of one sequence slot's full-precision sink and recent buffers, K and V, all layers
+        (each as long as its own window needs: KVmix's differ by layer)."""
+        token_bytes = 2 * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+        return token_bytes * sum(self.dense_tokens(w) for w in self.windows)
 
     def page_bytes(self) -> int:
         """Bytes of one page id: its K and V pages in every layer (a page id spans all layers)."""

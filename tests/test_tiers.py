@@ -537,21 +537,27 @@ def test_kvmix_layers_keep_their_share_of_the_context_in_fp16():
     """KVmix's recent pivotal context: a layer keeps max(window, ratio x length) of its newest
     tokens in full precision, so the window grows with the sequence. Through a prefill, chunks
     and decode steps, every layer's tiers, buffers and attention output equal its own rule's;
-    the full-precision share stays at least each ratio; kv_stats counts it."""
+    the full-precision share stays at least each ratio; kv_stats counts it. Each layer's buffer is
+    as long as its own window gets (sink + 10% or 25% of max_seq_len + a page), and the cache
+    allocates what CacheShape.slot_bytes sizes its budget by."""
     plan = {"method": "kvmix", "layers": [{"k_bits": 2, "v_bits": 2, "window_ratio": 0.1},
                                           {"k_bits": 4, "v_bits": 4, "window_ratio": 0.25}]}
     fmt = quant.get_format("kvmix", plan=plan)
     n = 4 + 900
     cache = KVCache(fmt, n_layers=LAYERS, n_kv_heads=H, head_dim=D, sink=4, window=8, max_seqs=1, max_seq_len=n,
                     budget_bytes=8 * 2**20)
+    assert [cache.dense_k[layer].shape[2] for layer in range(LAYERS)] == [4 + n // 10 + 128, 4 + n // 4 + 128]
+    allocated = sum(t.numel() * t.element_size() for t in cache._dense.values())
+    token_bytes = 2 * H * D * cache.dtype.itemsize  # K and V
+    # the slot and the scratch slot, each: per layer a sink and a page, and the layer's share
+    assert allocated == 2 * cache.shape.slot_bytes() == 2 * token_bytes * (2 * (4 + 128) + n // 10 + n // 4)
     seq, memo = Seq(cache, n, seed=12), {}
     for size in [300, 1, 1, 250] + [1] * 352:
         feed(cache, [seq], size, fmt=fmt, memo=memo)
         check_tiers(cache, [seq])
     low, high = cache.kv_stats()["layers"]
-    bytes_per_token = 2 * H * D * cache.dtype.itemsize
     assert len(seq.rules[0].pages) > len(seq.rules[1].pages) > 0
-    assert low["recent"] >= 0.1 * n * bytes_per_token and high["recent"] >= 0.25 * n * bytes_per_token
+    assert low["recent"] >= 0.1 * n * token_bytes and high["recent"] >= 0.25 * n * token_bytes
     assert high["pages"] == len(seq.rules[1].pages) * quant.get_format("kivi-k4v4").page_bytes(H, D)
 
 
