@@ -756,12 +756,13 @@ def _page_split(n_pg, num_splits, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.const
     return per, tl.cdiv(n_pg, per)
 
 
-# The tier count: KVmix's recent tier, and so its count, grows with the table width. As a constexpr it
-# compiled the split and merge kernels again at each new width, mid-decode: two of each, ~8.5 s, at widths
-# 127 and 255 of a 2-layer KVmix plan on an H100. So a count above the fixed window's comes as the run-time
-# `tiers` (FIXED_TIERS = 0), left unspecialized (Triton would otherwise compile a variant for counts
-# divisible by 16). The fixed windows' counts stay constants (FIXED_TIERS = tiers): read at run time they
-# cost the FP16 kernel at batch 1 / 32k 0.8 us of 52 (session 48).
+# The tier count (the sink's part and the recent tier's): a growing recent tier (KVmix's, Tiers.recent_grows)
+# gets more parts as the table widens, and as a constexpr that compiled the split and merge kernels again at
+# each new width, mid-decode (two of each, ~8.5 s, at widths 127 and 255 of a 2-layer KVmix plan on an
+# H100). So a growing tier's count comes as the run-time `tiers` (FIXED_TIERS = 0), left unspecialized
+# (Triton would otherwise compile a variant for counts divisible by 16). A fixed window's count never
+# changes in a run and stays a constant (FIXED_TIERS = tiers): read at run time it cost the FP16 kernel at
+# batch 1 / 32k 0.8 us of 52 (session 48).
 @triton.jit(do_not_specialize=["tiers"])
 def _split_kernel(
     Q, LEVELS, SLOTS, PT, NPAGES, SINK_K, SINK_V, NSINK, REC_K, REC_V, NREC, O_PART, LSE_PART, OUT, LSE_OUT,
@@ -1331,7 +1332,8 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     return_lse as in the reference. out: optional result buffer shaped like q (contiguous).
     launch: tuning knobs (Launch); the defaults fill the GPU.
     """
-    sink_k, sink_v, n_sink, k_pages, v_pages, page_table, n_pages, recent_k, recent_v, n_recent, slots = tiers
+    (sink_k, sink_v, n_sink, k_pages, v_pages, page_table, n_pages, recent_k, recent_v, n_recent, slots,
+     recent_grows) = tiers
     single = q.dim() == 3
     q4 = (q[:, :, None] if single else q).contiguous()
     B, Hq, Tq, D = q4.shape
@@ -1365,9 +1367,12 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     many_rows = not _few_rows(B * H * n_blocks, q.device)
     crowded = many_rows and not plain
     recent_parts = 1 if crowded else max(RECENT_PARTS, triton.cdiv(recent_k.shape[2], RECENT_PART_TOKENS))
-    tiers = 1 + (launch.recent_parts or recent_parts)
-    fixed_tiers = tiers if tiers <= 1 + RECENT_PARTS else 0  # (see _split_kernel)
-    n_parts = 1 if one else num_splits + tiers
+    tier_parts = 1 + (launch.recent_parts or recent_parts)
+    n_parts = 1 if one else num_splits + tier_parts
+    # a growing tier's part count is read at run time (see _split_kernel), and the merge's chunk is sized
+    # without it, so that a longer tier compiles neither kernel again (more parts take more chunks)
+    fixed_tiers = 0 if recent_grows else tier_parts
+    chunk = min(MERGE_CHUNK, triton.next_power_of_2(num_splits + 1 + RECENT_PARTS if recent_grows else n_parts))
     few_programs = B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)
     whole_pages = kl.bits == vl.bits == 16 and few_programs
     step = launch.step or (min(PAGE_TOKENS, FP16_PAGE_TILE // D) if whole_pages else _step(kl, vl))
@@ -1414,7 +1419,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
             page_table, n_pages, sink_k, sink_v, n_sink,
             recent_k, recent_v, n_recent, o_part, lse_part, out, lse,
             **kl.pointers(k_pages, "K_"), **vl.pointers(v_pages, "V_"),
-            qk_scale=scale * LOG2E, num_splits=num_splits, tiers=tiers, M=M, n_queries=Tq,
+            qk_scale=scale * LOG2E, num_splits=num_splits, tiers=tier_parts, M=M, n_queries=Tq,
             q_pos_offset=-1 if single else 0, window=window or 0,
             s_pt_b=page_table.stride(0), s_pt_p=page_table.stride(1),
             s_sink_b=sink_k.stride(0), s_sink_h=sink_k.stride(1), s_sink_t=sink_k.stride(2),
@@ -1432,9 +1437,8 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         )
     if not one:
         d_block = min(D, 32)
-        chunk = min(MERGE_CHUNK, triton.next_power_of_2(n_parts))
         _merge_kernel[(B * H, M, D // d_block)](
-            o_part, lse_part, out, lse, n_pages, num_splits, tiers, M, H=H, D=D, D_BLOCK=d_block,
+            o_part, lse_part, out, lse, n_pages, num_splits, tier_parts, M, H=H, D=D, D_BLOCK=d_block,
             MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, FIXED_TIERS=fixed_tiers, CHUNK=chunk, RETURN_LSE=return_lse,
             **pdl)
     return (out, lse) if return_lse else out

@@ -36,6 +36,9 @@ class Tiers(NamedTuple):
     recent_v: Tensor
     n_recent: Tensor
     slots: Tensor | None = None
+    # the recent tier is a share of each row's length (KVmix), so its view, and with it the
+    # launch's recent-tier programs, grows from step to step (a fixed window's never changes)
+    recent_grows: bool = False
 
 
 def partial_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -94,7 +97,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     Pages are in fmt's rotated domain when fmt.rotated: q is rotated for them and their
     partial output rotated back before the merge. Computed in float32, returned in q.dtype.
     """
-    sink_k, sink_v, n_sink, k_pages, v_pages, page_table, n_pages, recent_k, recent_v, n_recent, slots = tiers
+    sink_k, sink_v, n_sink, k_pages, v_pages, page_table, n_pages, recent_k, recent_v, n_recent, slots, _ = tiers
     single = q.dim() == 3
     q4 = q[:, :, None] if single else q
     B, Hq, T, D = q4.shape

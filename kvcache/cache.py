@@ -8,10 +8,11 @@ Tokens enter at the end. When the recent tier reaches window + 128 tokens its ol
 encoded into one page (once every 128 decode steps; a window that is a share of the context,
 KVmix's, grows meanwhile, so its layers flush less often), so a page never changes after it is
 written. The sink and the recent tier of a sequence are two views of one dense buffer per
-layer, [slots, kv_heads, sink + longest window + 128, head_dim]; the layers that share a window
-share one allocation, as do the pages of the layers that share a codec, so that a flush is a few
-launches, not a few per layer. Pages come from a pool sized from a memory budget with the format's real bytes per
-page; page j of a sequence holds its tokens sink + 128 j .. sink + 128 j + 127 in every layer,
+layer, [slots, kv_heads, sink + the most its window reaches + 128, head_dim]; the layers that
+share a window share one allocation, as do the pages of the layers that share a codec, so that
+a flush is a few launches, not a few per layer. Pages come from a pool sized from a memory
+budget with the format's real bytes per page; page j of a sequence holds its tokens
+sink + 128 j .. sink + 128 j + 127 in every layer,
 so one page table serves all layers, even when layers keep windows of different lengths (KVmix).
 
 The model calls `attend(layer, q, k, v, rope)` once per layer with q and k not yet rotated, so
@@ -91,11 +92,9 @@ class KVCache:
                                for w in sorted(set(self.windows))}
         self._dense = {w: torch.zeros((2, len(layers), max_seqs + 1, n_kv_heads, self.shape.dense_tokens(w), head_dim),
                                       dtype=dtype, device=self.device) for w, layers in self._window_layers.items()}
-        self.dense_k: list[torch.Tensor] = [None] * n_layers
-        self.dense_v: list[torch.Tensor] = [None] * n_layers
-        for w, layers in self._window_layers.items():
-            for i, layer in enumerate(layers):
-                self.dense_k[layer], self.dense_v[layer] = self._dense[w][0, i], self._dense[w][1, i]
+        in_window = {layer: i for layers in self._window_layers.values() for i, layer in enumerate(layers)}
+        self.dense_k = [self._dense[w][0, in_window[layer]] for layer, w in enumerate(self.windows)]
+        self.dense_v = [self._dense[w][1, in_window[layer]] for layer, w in enumerate(self.windows)]
         # Pages of the layers that share a codec live in one buffer per field, [layers, pages, ...],
         # so that a flush encodes those layers' tiles in one launch; k/v_pages[layer] are its views.
         self.k_pages, k_groups = _alloc_layer_fields([f.k for f in self.formats], num_pages, n_kv_heads, head_dim,
@@ -328,16 +327,16 @@ class KVCache:
         dk, dv = self.dense_k[layer], self.dense_v[layer]
         return kernels.Tiers(dk[:, :, :S], dv[:, :, :S], counts.n_sink, self.k_pages[layer], self.v_pages[layer],
                              self.page_table[:, :width], counts.n_pages, dk[:, :, S:R], dv[:, :, S:R],
-                             counts.n_recent, self._step.slots_t)
+                             counts.n_recent, self._step.slots_t, recent_grows=self.windows[layer].per_mille > 0)
 
     def end_step(self) -> None:
         """Commit the step's tokens: place them in the tiers and encode every full page."""
         step, self._step = self._step, None
         if step.n_new == 1:
             # Which rows flush depends only on the window: decide, and flush, once per distinct window.
-            for window, plan in self._flush_plans.items():
+            for window in self._flush_plans:
                 if full := self._rows_to_flush(step.slots, window):
-                    self._flush_decode(window, plan, full)
+                    self._flush_decode(window, full)
         else:
             for layer in range(self.n_layers):
                 self._store_block(layer, step)
@@ -355,15 +354,15 @@ class KVCache:
                 full.append((s, n_pages, window.at(L)))
         return full
 
-    def _flush_decode(self, window: Window, plan: "_FlushPlan", full: list[tuple[int, int, int]]) -> None:
-        """Encode the oldest 128 recent tokens of these rows into their next pages, in the plan's layers.
+    def _flush_decode(self, window: Window, full: list[tuple[int, int, int]]) -> None:
+        """Encode the oldest 128 recent tokens of these rows into their next pages, in this window's layers.
         A flush comes once every 128 decode steps and the GPU waits for all of it: one launch per
         layer and side cost Llama-3-8B's 32 layers 9.6 ms of host time and, for Kitty's keys (8
         programs a launch), 1.3 ms of GPU time. So every layer that shares a codec is encoded in one
         launch, reading its tiles in place from the dense buffer, and the shift is one copy per group of
         layers (below)."""
         rows = to_device([s for s, _, _ in full], self.device)
-        self._encode_recent(window, plan, rows, to_device([self._pages[s][n] for s, n, _ in full], self.device))
+        self._encode_recent(window, rows, to_device([self._pages[s][n] for s, n, _ in full], self.device))
         # Shift the remaining tokens to the front of the recent tier (the most any row keeps:
         # rows that keep fewer copy a few stale tokens past their end, which nothing reads).
         # The copy goes through a temporary, so it is cut into groups of layers of at most 64 MiB.
@@ -374,11 +373,11 @@ class KVCache:
             at = (slice(None), slice(g, g + group), rows, slice(None))
             dense[at + (slice(S, S + R),)] = dense[at + (slice(S + PAGE_TOKENS, S + PAGE_TOKENS + R),)]
 
-    def _encode_recent(self, window: Window, plan: "_FlushPlan", rows: torch.Tensor, page_ids: torch.Tensor) -> None:
+    def _encode_recent(self, window: Window, rows: torch.Tensor, page_ids: torch.Tensor) -> None:
         """Encode the oldest 128 recent tokens of these rows [N] into these pages [N] in the layers of
-        this window (the plan's)."""
+        this window."""
         S, slots, pages = self.sink, self.max_seqs + 1, self.pool.num_pages
-        for side, codec, fields, layers, in_window, in_group in plan.groups:
+        for side, codec, fields, layers, in_window, in_group in self._flush_plans[window].groups:
             # tile (layer, row) is row in_window * slots + row of the window's dense buffer seen as
             # [layers x slots, ...] and goes to page in_group * pages + page of the group's fields seen
             # as [layers x pages, ...]
@@ -399,9 +398,8 @@ class KVCache:
         if self.pool.num_free != self.pool.num_pages:
             raise RuntimeError("warm_up writes page 0: call it before any sequence is admitted")
         if self.pool.num_pages:
-            for window, plan in self._flush_plans.items():
-                self._encode_recent(window, plan, to_device([self.scratch_slot], self.device),
-                                    to_device([0], self.device))
+            for window in self._flush_plans:
+                self._encode_recent(window, to_device([self.scratch_slot], self.device), to_device([0], self.device))
 
     def _store_block(self, layer: int, step: "_Step") -> None:
         """Place T new tokens per row: fill the sink, then append to the recent tier, encoding

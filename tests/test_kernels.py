@@ -93,7 +93,7 @@ def make_cache(fmt, heads: int, head_dim: int, n_sink: list[int], n_pages: list[
         page_table=table.to(DEVICE)[:, :cols], n_pages=torch.tensor(n_pages, **i32),
         sink_k=tier(SINK), sink_v=tier(SINK), n_sink=torch.tensor(n_sink, **i32),
         recent_k=tier(recent_cap), recent_v=tier(recent_cap), n_recent=torch.tensor(n_recent, **i32),
-        slots=slot_of.to(DEVICE) if slots else None,
+        slots=slot_of.to(DEVICE) if slots else None, recent_grows=False,
     )
 
 
@@ -438,6 +438,7 @@ def test_long_recent_tier_gets_a_program_per_part_of_its_view(sms, recent_parts,
     monkeypatch.setattr(attention, "_scratch", poisoned)
     gen = torch.Generator().manual_seed(11)
     c = make_cache(get_format("kvmix:3v3"), 2, 64, [SINK, SINK], [3, 1], [1100, 700], gen)
+    c["recent_grows"] = True
     q = torch.randn(2, 8, 64, generator=gen).to(DEVICE, DTYPE)
     got = call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(num_splits=2))
     assert c["recent_k"].shape[2] == 1105 and parts[0] == 2 + 1 + recent_parts
@@ -447,23 +448,27 @@ def test_long_recent_tier_gets_a_program_per_part_of_its_view(sms, recent_parts,
 
 
 @pytest.mark.skipif(not CUDA, reason="counts compiled kernels (the interpreter compiles none)")
-def test_a_longer_recent_tier_compiles_no_new_split_kernel(monkeypatch):
-    """KVmix's recent tier grows with the context, and with it the launch's tier count (5 parts for
-    a 1105-token view, 10 for 2405): the split kernel takes that count at run time, so a longer tier
-    reuses the compiled kernel instead of compiling one mid-decode. Both results are the reference's."""
+def test_a_longer_recent_tier_compiles_no_new_kernel(monkeypatch):
+    """KVmix's recent tier grows with the context (Tiers.recent_grows), and with it the launch's tier
+    count: 4, 5 and 10 recent-tier parts for views of 205, 1105 and 2405 tokens. The split and merge
+    kernels take that count at run time and the merge's chunk does not follow it, so a longer tier
+    reuses the compiled kernels instead of compiling them mid-decode. The results are the reference's.
+    (Counts Triton's compiled variants: JITFunction.device_caches.)"""
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
-    compiled = attention._split_kernel.device_caches[torch.cuda.current_device()][0]
+    device = torch.cuda.current_device()
+    kernels_ = {"split": attention._split_kernel, "merge": attention._merge_kernel}
     gen = torch.Generator().manual_seed(12)
     q = torch.randn(2, 8, 64, generator=gen).to(DEVICE, DTYPE)
     counts = []
-    for recent in ([1100, 700], [2400, 700]):
+    for recent in ([200, 150], [1100, 700], [2400, 700]):
         c = make_cache(get_format("kvmix:3v3"), 2, 64, [SINK, SINK], [3, 1], recent, gen)
+        c["recent_grows"] = True
         got = call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(num_splits=2))
         want = call(reference.decode_attention, q, c, 0.125).float()
         err = ((got.float() - want).abs().max() / want.abs().max()).item()
         assert err < TOL, f"relative error {err:.2e} with a {c['recent_k'].shape[2]}-token view"
-        counts.append(len(compiled))
-    assert counts[1] == counts[0], f"compiled split kernels went from {counts[0]} to {counts[1]}"
+        counts.append({name: len(k.device_caches[device][0]) for name, k in kernels_.items()})
+    assert counts[1] == counts[0] == counts[2], f"compiled variants after each view: {counts}"
 
 
 @pytest.mark.parametrize("batch,pages,want", [

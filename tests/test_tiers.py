@@ -20,6 +20,7 @@ and the Kitty test the real default model (SmolLM2) on real English text.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -559,6 +560,31 @@ def test_kvmix_layers_keep_their_share_of_the_context_in_fp16():
     assert len(seq.rules[0].pages) > len(seq.rules[1].pages) > 0
     assert low["recent"] >= 0.1 * n * token_bytes and high["recent"] >= 0.25 * n * token_bytes
     assert high["pages"] == len(seq.rules[1].pages) * quant.get_format("kivi-k4v4").page_bytes(H, D)
+
+
+def test_kvmix_flush_takes_each_layer_from_its_windows_buffer(monkeypatch):
+    """KVmix plans mix bits and window ratios freely, so one codec's layers can sit in two windows,
+    whose FP16 buffers differ in length. A flush encodes each layer's oldest recent tokens from its
+    window's buffer into its codec's fields: through a prefill of two rows, one row decoding alone
+    past a flush, then both, every tier of every layer holds what its rule says."""
+    monkeypatch.setattr(sys.modules[__name__], "LAYERS", 4)
+    plan = {"method": "kvmix", "layers": [{"k_bits": 2, "v_bits": 2, "window_ratio": 0.1},
+                                          {"k_bits": 2, "v_bits": 2, "window_ratio": 0.25},
+                                          {"k_bits": 4, "v_bits": 2, "window_ratio": 0.1},
+                                          {"k_bits": 2, "v_bits": 4, "window_ratio": 0.25}]}
+    n = 4 + 900
+    cache = KVCache(quant.get_format("kvmix", plan=plan), n_layers=4, n_kv_heads=H, head_dim=D, sink=4, window=8,
+                    max_seqs=3, max_seq_len=n, budget_bytes=16 * 2**20)
+    seqs = [Seq(cache, n, seed=20 + i) for i in range(2)]
+    feed(cache, seqs, 300)
+    check_tiers(cache, seqs)
+    for _ in range(200):
+        feed(cache, [seqs[1]], 1)
+    check_tiers(cache, seqs)
+    for _ in range(150):
+        feed(cache, seqs[::-1], 1)
+    check_tiers(cache, seqs)
+    assert [len(rule.pages) for rule in seqs[1].rules] == [4, 3, 4, 3], "the decode flushed pages in every layer"
 
 
 def test_recent_view_holds_the_recent_tier_of_every_row_the_width_serves():
