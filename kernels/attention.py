@@ -771,7 +771,8 @@ def _split_kernel(
     qk_scale, num_splits, tiers, M, n_queries, q_pos_offset, window, s_pt_b, s_pt_p,
     s_sink_b, s_sink_h, s_sink_t, s_rec_b, s_rec_h, s_rec_t,
     H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TOKENS: tl.constexpr, STEP: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, DENSE_STEP: tl.constexpr, FIXED_TIERS: tl.constexpr, LOG2_D: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, MIN_PAGES: tl.constexpr, SHORT_PAGES: tl.constexpr, DENSE_STEP: tl.constexpr,
+    FIXED_TIERS: tl.constexpr, LOG2_D: tl.constexpr, NB_PAD: tl.constexpr, HAS_SLOTS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, ASM: tl.constexpr, ONE_PROGRAM: tl.constexpr, RETURN_LSE: tl.constexpr,
     K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
     K_S_HEAD: tl.constexpr, K_S_TOK: tl.constexpr, K_HDIV: tl.constexpr, K_GROUP: tl.constexpr,
@@ -1439,6 +1440,6 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
         d_block = min(D, 32)
         _merge_kernel[(B * H, M, D // d_block)](
             o_part, lse_part, out, lse, n_pages, num_splits, tier_parts, M, H=H, D=D, D_BLOCK=d_block,
-            MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, FIXED_TIERS=fixed_tiers, CHUNK=chunk, RETURN_LSE=return_lse,
-            **pdl)
+            MIN_PAGES=min_pages, SHORT_PAGES=SHORT_ROW_PAGES, FIXED_TIERS=fixed_tiers, CHUNK=chunk,
+            RETURN_LSE=return_lse, **pdl)
     return (out, lse) if return_lse else out
