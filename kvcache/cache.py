@@ -12,8 +12,8 @@ layer, [slots, kv_heads, sink + the most its window reaches + 128, head_dim]; th
 share a window share one allocation, as do the pages of the layers that share a codec, so that
 a flush is a few launches, not a few per layer. Pages come from a pool sized from a memory
 budget with the format's real bytes per page; page j of a sequence holds its tokens
-sink + 128 j .. sink + 128 j + 127 in every layer,
-so one page table serves all layers, even when layers keep windows of different lengths (KVmix).
+sink + 128 j .. sink + 128 j + 127 in every layer, so one page table serves all layers, even
+when layers keep windows of different lengths (KVmix).
 
 The model calls `attend(layer, q, k, v, rope)` once per layer with q and k not yet rotated, so
 that at a decode step the rotation and the store of the new K and V are one kernel; the engine
