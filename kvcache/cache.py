@@ -110,8 +110,8 @@ class KVCache:
         # Per-step inputs of the attention live in fixed buffers, so that a captured CUDA graph
         # replays a decode step once prepare_step has refreshed them.
         self._window_row = {w: i for i, w in enumerate(self._window_layers)}
-        self._flush_plans = {w: _FlushPlan.of(layers, {0: k_groups, 1: v_groups}, self.device)
-                             for w, layers in self._window_layers.items()}
+        self._flush_groups = {w: _flush_groups(layers, {0: k_groups, 1: v_groups}, self.device)
+                              for w, layers in self._window_layers.items()}
         self._recent_views: dict[int, tuple[int, ...]] = {}  # recent_view_tokens' answers by table width
         self._step_slots = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self._step_counts = torch.zeros(len(self._window_row), len(StepCounts._fields), max_seqs, dtype=torch.int32,
@@ -334,7 +334,7 @@ class KVCache:
         step, self._step = self._step, None
         if step.n_new == 1:
             # Which rows flush depends only on the window: decide, and flush, once per distinct window.
-            for window in self._flush_plans:
+            for window in self._flush_groups:
                 if full := self._rows_to_flush(step.slots, window):
                     self._flush_decode(window, full)
         else:
@@ -377,7 +377,7 @@ class KVCache:
         """Encode the oldest 128 recent tokens of these rows [N] into these pages [N] in the layers of
         this window."""
         S, slots, pages = self.sink, self.max_seqs + 1, self.pool.num_pages
-        for side, codec, fields, layers, in_window, in_group in self._flush_plans[window].groups:
+        for side, codec, fields, layers, in_window, in_group in self._flush_groups[window]:
             # tile (layer, row) is row in_window * slots + row of the window's dense buffer seen as
             # [layers x slots, ...] and goes to page in_group * pages + page of the group's fields seen
             # as [layers x pages, ...]
@@ -398,7 +398,7 @@ class KVCache:
         if self.pool.num_free != self.pool.num_pages:
             raise RuntimeError("warm_up writes page 0: call it before any sequence is admitted")
         if self.pool.num_pages:
-            for window in self._flush_plans:
+            for window in self._flush_groups:
                 self._encode_recent(window, to_device([self.scratch_slot], self.device), to_device([0], self.device))
 
     def _store_block(self, layer: int, step: "_Step") -> None:
@@ -534,23 +534,20 @@ def _alloc_layer_fields(codecs: list, num_pages: int, heads: int, head_dim: int,
     return per_layer, groups
 
 
-class _FlushPlan(NamedTuple):
+def _flush_groups(layers: list[int], groups_by_side: dict, device: torch.device
+                  ) -> list[tuple[int, object, dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]]:
     """What a flush of one window's layers touches, uploaded once: per side (0 keys, 1 values) and
     codec, the codec, its fields [layers x pages, ...], its layers among the window's [n], and their
     positions in the window's dense buffer [n] and in the codec's fields [n]."""
-    groups: list[tuple[int, object, dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]]
-
-    @classmethod
-    def of(cls, layers: list[int], groups_by_side: dict, device: torch.device) -> "_FlushPlan":
-        plan = []
-        for side, groups in groups_by_side.items():
-            for codec, group_layers, fields in groups:
-                mine = [layer for layer in group_layers if layer in layers]
-                if mine:
-                    plan.append((side, codec, fields, to_device(mine, device),
-                                 to_device([layers.index(layer) for layer in mine], device),
-                                 to_device([group_layers.index(layer) for layer in mine], device)))
-        return cls(plan)
+    out = []
+    for side, groups in groups_by_side.items():
+        for codec, group_layers, fields in groups:
+            mine = [layer for layer in group_layers if layer in layers]
+            if mine:
+                out.append((side, codec, fields, to_device(mine, device),
+                            to_device([layers.index(layer) for layer in mine], device),
+                            to_device([group_layers.index(layer) for layer in mine], device)))
+    return out
 
 
 def _fill_random(t: torch.Tensor, name: str) -> None:
