@@ -50,6 +50,15 @@ channel-major, -> 187 swapped too; the keys swapped with q's channels reordered 
 slower (H100, session 17); with swapped storage, kitty-pro 4-6% and kvarn 2-4% faster, the
 others 0-3% (session 21).
 
+3-bit codes (KVmix's K3 and V3 layers) are two planes (quant/rtn.py): their two low bits, a 2-bit
+plane, and their top bit, a 1-bit plane of half as many rows. Each unpacks by the same OR (a 1-bit
+slot reads 2^(10 - slot) + bit), and the top bit's tile is one more product, against 4 q (keys) or
+4 w (values), exact since 4 is a power of two (_code_dot); its offset joins the low tile's in the
+algebra above (_tile_offset). A step then takes 16 tokens, the 1-bit plane's rows. Ten codes packed
+in a 32-bit word, unpacked a token at a time (shift, mask, int-to-float), took at batch 1 / 32k
+28.6 us for k3v2 pages and 56.0 for k3v3 (0.95x FP16); the two planes 19.4 and 23.6 (H100,
+session 49).
+
 Scales never touch the tile either: every format decodes as x = (level * scale + zero) * mult
 with scale/zero along one axis (channel or token) and mult along the other (quant/layout.py).
 Channel factors fold into q (keys) or into the step's output (values); token factors scale the
@@ -114,10 +123,14 @@ def _slot_offset(bits, slot):
 
 @constexpr_function
 def _tile_offset(bits, rows, step, t0, nf4):
-    """The offset _tile's levels carry for the step starting at token t0 (0: plain values)."""
-    if nf4 or bits == 16 or rows % step:
+    """The offset _tile's levels carry for the step starting at token t0 (0: plain values). 3-bit
+    codes: what their two tiles carry together, the low bits' (a 2-bit plane of `rows` rows) plus 4
+    times the top bit's (a 1-bit plane of rows / 2), as their products weigh them (_code_dot)."""
+    if nf4 or bits == 16:
         return 0.0
-    return float(2 ** (10 - bits * (t0 // rows)))
+    if bits == 3:
+        return _slot_offset(2, t0 // rows) + 4 * _slot_offset(1, t0 // (rows // 2))
+    return _slot_offset(bits, t0 // rows)
 
 
 @constexpr_function
@@ -276,13 +289,15 @@ def _prefetch(ptr, n: tl.constexpr, after):
 
 
 @triton.jit
-def _prefetch_page(page, h, after, CODES, SCALE, ZERO, MULT, H: tl.constexpr, D: tl.constexpr,
+def _prefetch_page(page, h, after, CODES, SCALE, ZERO, MULT, HIGH, H: tl.constexpr, D: tl.constexpr,
                    PAGE_TOKENS: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, PER_TOKEN: tl.constexpr,
                    S_PAGE: tl.constexpr, S_HEAD: tl.constexpr, HDIV: tl.constexpr, HAS_ZERO: tl.constexpr,
                    MULT_KIND: tl.constexpr):
-    """Prefetch one kv head's slice of every field of a page that _pages reads (codes, scale, zero,
-    mult) into the L2, after `after` (_prefetch)."""
+    """Prefetch one kv head's slice of every field of a page that _pages reads (codes, 3-bit codes'
+    top bits, scale, zero, mult) into the L2, after `after` (_prefetch)."""
     _prefetch(CODES + page * (H * ROWS * D) + h * (ROWS * D), ROWS * D, after)
+    if BITS == 3:
+        _prefetch(HIGH + page * (H * (ROWS // 2) * D) + h * ((ROWS // 2) * D), (ROWS // 2) * D, after)
     if BITS != 16:
         if PER_TOKEN:
             _prefetch(SCALE + page * S_PAGE + (h // HDIV) * S_HEAD, S_HEAD, after)
@@ -431,18 +446,22 @@ def _tile(base, t, c, c_ok, LEVELS, t0: tl.constexpr, STEP: tl.constexpr, COLS: 
     inside one slot only). CM: see _rows."""
     if BITS == 16:  # fp16 pages: rows are tokens (only K and V planes: no column mask)
         x = tl.load(base + t[:, None] * COLS + c[None, :])
-    elif ROWS % STEP == 0:  # the step lies in one slot of a block of rows: a constant shift
+    else:  # the step lies in one slot of a block of rows (decode_attention checks that ROWS % STEP == 0)
         if not PRELOADED:
             raw = _rows(base, t % ROWS, c, c_ok, COLS, MASKED, CM)
         x = _levels(raw, LEVELS, BITS, t0 // ROWS, NF4, ASM, SWAP, CM == 0)
-    else:  # a step across slots, or 3-bit words (10 tokens in ceil(T/10) rows): a shift per token
-        raw = _rows(base, t % ROWS, c, c_ok, COLS, MASKED, CM)
-        code = (raw.to(tl.int32) >> (BITS * (t // ROWS))[:, None]) & ((1 << BITS) - 1)
-        if NF4:
-            x = tl.load(LEVELS + code)
-        else:
-            x = code.to(tl.float32)
     return x
+
+
+@triton.jit
+def _code_dot(x, x_top, y, acc, TOP: tl.constexpr):
+    """x @ y + acc, x a tile of code levels in the product's orientation; with TOP (3-bit codes) x
+    holds their two low bits and x_top their top bit, which weighs 4: one more product, against 4 y
+    (exact in fp16: a power of two)."""
+    acc = tl.dot(x, y, acc)
+    if TOP:
+        acc = tl.dot(x_top, y * 4.0, acc)
+    return acc
 
 
 @triton.jit
@@ -493,7 +512,7 @@ def _dense_tier(q, m_i, l_i, acc, k_base, v_base, s_t, n, first, q_pos, window, 
 @triton.jit
 def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows, n_ok, h, d, q_pos, window,
            pos0, qk_scale, LEVELS,
-           K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, V_CODES, V_SCALE, V_ZERO, V_MULT,
+           K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, V_CODES, V_SCALE, V_ZERO, V_MULT, V_HIGH,
            dt: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TOKENS: tl.constexpr,
            STEP: tl.constexpr, ROWS: tl.constexpr, NB_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
            ASM: tl.constexpr, K_BITS: tl.constexpr, K_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr, K_S_PAGE: tl.constexpr,
@@ -536,8 +555,18 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
     # NF4 planes of ROWS rows hold two slots, steps i and i + 1 of a block, looked up together (_nf4_levels)
     K_PAIRED: tl.constexpr = K_NF4 and (K_ROWS == ROWS) and (ROWS % STEP == 0)
     V_PAIRED: tl.constexpr = V_NF4 and (V_ROWS == ROWS) and (ROWS % STEP == 0)
-    tl.static_assert((not K_COLUMNS_SWAPPED) or ((K_BITS == 2 or K_BITS == 4) and not K_NF4 and K_ROWS % STEP == 0),
-                     "swapped key columns are put back by the swapped unpack of 2- or 4-bit RTN codes")
+    tl.static_assert((not K_COLUMNS_SWAPPED) or ((K_BITS == 2 or K_BITS == 3 or K_BITS == 4) and not K_NF4),
+                     "swapped key columns are put back by the swapped unpack of 2-, 3- or 4-bit RTN codes")
+    # 3-bit codes: the code plane holds their two low bits (a 2-bit plane) and the HIGH plane their top bit
+    # (a 1-bit plane of half as many rows, quant/rtn.py), each unpacked like any other plane; the top bit's
+    # tile is one more product (_code_dot)
+    K_TOP: tl.constexpr = K_BITS == 3
+    V_TOP: tl.constexpr = V_BITS == 3
+    K_LOW_BITS: tl.constexpr = 2 if K_TOP else K_BITS
+    V_LOW_BITS: tl.constexpr = 2 if V_TOP else V_BITS
+    # scales per (token, group of channels): tiles decoded element by element (_grouped)
+    K_GROUPED: tl.constexpr = K_PER_TOKEN and (K_GROUP < D)
+    V_GROUPED: tl.constexpr = V_PER_TOKEN and (V_GROUP < D)
     STEPS: tl.constexpr = PAGE_TOKENS // STEP  # steps per page
     # with PREFETCH, page ids are read two pages ahead, so the next page's id is at hand during this
     # page, whose compute the next page's fields stream into the L2 under (_prefetch_page); they are
@@ -594,12 +623,20 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
         # A plane with exactly STEP rows is loaded once per page.
         k_plane = K_CODES + page * (H * K_ROWS * D) + h * (K_ROWS * D)
         v_plane = V_CODES + page * (H * V_ROWS * D) + h * (V_ROWS * D)
+        k_top_plane = K_HIGH + page * (H * (K_ROWS // 2) * D) + h * ((K_ROWS // 2) * D)  # (read with K_TOP only)
+        v_top_plane = V_HIGH + page * (H * (V_ROWS // 2) * D) + h * ((V_ROWS // 2) * D)
         k_raw = rs
         v_raw = rs
+        k_top_raw = rs
+        v_top_raw = rs
         if K_ROWS == STEP:
             k_raw = _rows(k_plane, ts, d, d, D, False, K_CM)
         if V_ROWS == STEP:
             v_raw = _rows(v_plane, rs, d, d, D, False, V_CM)
+        if K_TOP and (K_ROWS // 2 == STEP):
+            k_top_raw = _rows(k_top_plane, ts, d, d, D, False, K_CM // 2)
+        if V_TOP and (V_ROWS // 2 == STEP):
+            v_top_raw = _rows(v_top_plane, rs, d, d, D, False, V_CM // 2)
         K_TOKEN_SCALED: tl.constexpr = K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16)
         V_TOKEN_SCALED: tl.constexpr = V_PER_TOKEN and (V_GROUP >= D) and (V_BITS != 16)
         k_scales = _page_token_factors(K_SCALE, page, h, ts, K_TOKEN_SCALED, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV,
@@ -632,11 +669,17 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                     k = k_next
                 else:
                     # (columns swapped in storage: the swapped unpack puts the channels back in order)
-                    k = _tile(k_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, K_BITS,
+                    k = _tile(k_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, K_LOW_BITS,
                               K_ROWS, K_NF4, ASM, k_raw, (K_ROWS == STEP) or (K_ROWS == ROWS), K_COLUMNS_SWAPPED,
                               K_CM)
+                k_top = k
+                if K_TOP:
+                    k_top = _tile(k_top_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, 1,
+                                  K_ROWS // 2, False, ASM, k_top_raw, K_ROWS // 2 == STEP, K_COLUMNS_SWAPPED, K_CM // 2)
                 k_off = _tile_offset(K_BITS, K_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), K_NF4)
-                if K_PER_TOKEN and (K_GROUP < D):  # decoded in the tile: nothing left to correct after the product
+                if K_GROUPED:  # decoded in the tile: nothing left to correct after the product
+                    if K_TOP:
+                        k = k.to(tl.float32) + 4.0 * k_top.to(tl.float32)
                     k = _grouped(k, K_SCALE, K_ZERO, page, h, t, d, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP,
                                  K_HAS_ZERO, k_off)
                 if (not K_PER_TOKEN) and (K_BITS != 16):
@@ -646,9 +689,11 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                     k_bias = q_zero - k_off * q_sum
                     if K_N_HIGH > 0:
                         k_bias -= _tile_offset(2, K_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), False) * q_hi_sum
-                    s = tl.dot(k.to(dt), tl.trans(qf), tl.zeros([STEP, BLOCK_N], tl.float32) + k_bias[None, :])
+                    s = _code_dot(k.to(dt), k_top.to(dt), tl.trans(qf),
+                                  tl.zeros([STEP, BLOCK_N], tl.float32) + k_bias[None, :], K_TOP)
                 else:
-                    s = tl.dot(k.to(dt), tl.trans(qf))
+                    s = _code_dot(k.to(dt), k_top.to(dt), tl.trans(qf), tl.zeros([STEP, BLOCK_N], tl.float32),
+                                  K_TOP and not K_GROUPED)
                 if K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16):
                     if k_off != 0.0:
                         s -= k_off * q_sum[None, :]
@@ -677,9 +722,9 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                 if p + 1 < p1:  # a branch, so that the last page of a split issues none of it (kitty-pro batch 1 / 32k:
                     # 19.2-19.6 us without it, 18.3-18.6 with it, over five runs; H100, session 24)
                     page_next_id = page_next.to(tl.int64)
-                    _prefetch_page(page_next_id, h, after, K_CODES, K_SCALE, K_ZERO, K_MULT, H, D, PAGE_TOKENS,
+                    _prefetch_page(page_next_id, h, after, K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, H, D, PAGE_TOKENS,
                                    K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_HDIV, K_HAS_ZERO, K_MULT_KIND)
-                    _prefetch_page(page_next_id, h, after, V_CODES, V_SCALE, V_ZERO, V_MULT, H, D, PAGE_TOKENS,
+                    _prefetch_page(page_next_id, h, after, V_CODES, V_SCALE, V_ZERO, V_MULT, V_HIGH, H, D, PAGE_TOKENS,
                                    V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_HDIV, V_HAS_ZERO, V_MULT_KIND)
                     if K_N_HIGH > 0:
                         _prefetch(K_HIGH + page_next_id * (H * K_ROWS * K_N_HIGH) + h * (K_ROWS * K_N_HIGH),
@@ -706,10 +751,16 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                 elif V_PAIRED:
                     v = v_next
                 else:
-                    v = _tile(v_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, V_BITS,
+                    v = _tile(v_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, V_LOW_BITS,
                               V_ROWS, V_NF4, ASM, v_raw, (V_ROWS == STEP) or (V_ROWS == ROWS), V_SWAP, V_CM)
+                v_top = v
+                if V_TOP:
+                    v_top = _tile(v_top_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, 1,
+                                  V_ROWS // 2, False, ASM, v_top_raw, V_ROWS // 2 == STEP, V_SWAP, V_CM // 2)
                 v_off = _tile_offset(V_BITS, V_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), V_NF4)
-                if V_PER_TOKEN and (V_GROUP < D):
+                if V_GROUPED:
+                    if V_TOP:
+                        v = v.to(tl.float32) + 4.0 * v_top.to(tl.float32)
                     v = _grouped(v, V_SCALE, V_ZERO, page, h, t, d, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
                                  V_HAS_ZERO, v_off)
                     v_off = 0.0  # decoded values: nothing left to correct
@@ -725,7 +776,9 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                     off_w = v_off * tl.sum(ww.to(tl.float32), 0)
                     if V_PER_TOKEN and V_HAS_ZERO:
                         off_w -= tl.sum(w * _step_factor(v_zeros, i, FACTORS_DIRECT)[:, None], 0)
-                    pv = v_chan[:, None] * (tl.dot(tl.trans(v.to(dt)), ww) - off_w[None, :])
+                    pv = v_chan[:, None] * (_code_dot(tl.trans(v.to(dt)), tl.trans(v_top.to(dt)), ww,
+                                                      tl.zeros([D, BLOCK_N], tl.float32), V_TOP and not V_GROUPED)
+                                            - off_w[None, :])
                     if (not V_PER_TOKEN) and V_HAS_ZERO:
                         w_sum = tl.sum(w, 0)
                         if V_MULT_KIND == 1:
@@ -733,7 +786,7 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                         pv += v_zero_chan[:, None] * w_sum[None, :]
                     acc += pv
                 else:
-                    acc = tl.dot(tl.trans(v.to(dt)), ww, acc)
+                    acc = _code_dot(tl.trans(v.to(dt)), tl.trans(v_top.to(dt)), ww, acc, V_TOP and not V_GROUPED)
                     if (v_off != 0.0) or (V_PER_TOKEN and V_HAS_ZERO and (V_BITS != 16) and (V_GROUP == D)):
                         if v_off != 0.0:
                             corr_tile += v_off * ww.to(tl.float32)
@@ -841,7 +894,7 @@ def _split_kernel(
         m_i, l_i, acc, corr = _pages(
             q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, bh * M, n_rows, n_ok, h, d, q_pos, window,
             n_sink, qk_scale, LEVELS, K_CODES, K_SCALE, K_ZERO, K_MULT, K_HIGH, K_IDS, V_CODES, V_SCALE, V_ZERO,
-            V_MULT, dt, H, D, BLOCK_N, PAGE_TOKENS, STEP, BLOCK_ROWS, NB_PAD, HAS_WINDOW, ASM,
+            V_MULT, V_HIGH, dt, H, D, BLOCK_N, PAGE_TOKENS, STEP, BLOCK_ROWS, NB_PAD, HAS_WINDOW, ASM,
             K_BITS, K_ROWS, K_PER_TOKEN, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV, K_GROUP, K_HAS_ZERO, K_MULT_KIND,
             K_NF4, K_N_HIGH, V_BITS, V_ROWS, V_PER_TOKEN, V_S_PAGE, V_S_HEAD, V_S_TOK, V_HDIV, V_GROUP,
             V_HAS_ZERO, V_MULT_KIND, V_NF4, SOFTMAX_STEPS, V_SWAP, K_CHANNEL_MAJOR, V_CHANNEL_MAJOR,
@@ -1269,21 +1322,26 @@ def _block_rows(kl: Layout, vl: Layout, step: int) -> int:
     return max(rows + [step])
 
 
+def _plane_rows(lay: Layout) -> list[int]:
+    """Row counts of a layout's packed planes of every channel (3-bit codes: two, rtn.py; fp16: none)."""
+    if lay.bits == 16:
+        return []
+    return [lay.rows, lay.rows // 2] if lay.bits == 3 else [lay.rows]
+
+
 def _swappable(lay: Layout, step: int, head_dim: int) -> bool:
-    """Whether a value plane's tiles may be unpacked swapped: RTN codes of 2 or 4 bits read one slot
+    """Whether a value plane's tiles may be unpacked swapped: RTN codes of 2, 3 or 4 bits read one slot
     per step (_slot_asm), whose tile goes straight into the product (so the exchanged elements are
     four consecutive tokens, its reduced axis, where the weights' matching order undoes them).
     Tiles decoded element by element first (scales per group of channels) are not."""
-    return lay.bits in (2, 4) and not lay.nf4 and lay.rows % step == 0 and not (lay.per_token and lay.group < head_dim)
+    return (lay.bits in (2, 3, 4) and not lay.nf4 and all(r % step == 0 for r in _plane_rows(lay))
+            and not (lay.per_token and lay.group < head_dim))
 
 
 def _step(kl: Layout, vl: Layout) -> int:
     """Tokens per step: the row count of the packed planes when they have 32 or fewer rows (each
-    plane loaded once per page, one slot per step), else 32; 16 for 3-bit planes (13 rows)."""
-    rows = [lay.rows for lay in (kl, vl) if lay.bits != 16]
-    if any(r & (r - 1) for r in rows):
-        return 16
-    return min([32] + rows)
+    plane loaded once per page, one slot per step), else 32 (3-bit codes: 16, their top bit's rows)."""
+    return min([32] + _plane_rows(kl) + _plane_rows(vl))
 
 
 def _whole_planes(kl: Layout, vl: Layout, step: int) -> bool:
@@ -1377,7 +1435,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     few_programs = B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)
     whole_pages = kl.bits == vl.bits == 16 and few_programs
     step = launch.step or (min(PAGE_TOKENS, FP16_PAGE_TILE // D) if whole_pages else _step(kl, vl))
-    packed = [lay.rows for lay in (kl, vl) if lay.bits in (2, 4)]
+    packed = _plane_rows(kl) + _plane_rows(vl)
     if step & (step - 1) or PAGE_TOKENS % step or step < 16 or any(r % step for r in packed):
         raise ValueError(f"step must be a power of 2 >= 16 that divides {PAGE_TOKENS} and the row count of every "
                          f"packed code plane ({packed}), got {step}")

@@ -109,6 +109,17 @@ def _imbalance(z, valid, T: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _plane_offsets(page, h, rows, c, H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                   CHANNEL_MAJOR: tl.constexpr, COLUMNS_SWAPPED: tl.constexpr):
+    """Offsets of rows [R, 1] x channels c [D] of kv head h's [ROWS, D] code plane in a page: stored
+    [D, ROWS] if CHANNEL_MAJOR (quant.base.ChannelMajor), else [ROWS, D] with channel c in column
+    0 2 1 3 of its four if COLUMNS_SWAPPED (quant.base.SwappedColumns)."""
+    if CHANNEL_MAJOR:
+        return page * (H * ROWS * D) + h * (ROWS * D) + rows + c[None, :] * ROWS
+    return page * (H * ROWS * D) + h * (ROWS * D) + rows * D + (swapped(c) if COLUMNS_SWAPPED else c)[None, :]
+
+
+@triton.jit
 def _encode_kernel(
     X, ROW_IDS, PAGE_IDS, HAD, MIDS, QW, CODES, SCALE, ZERO, MULT, HIGH, IDS,
     sx_n, sx_h, sx_t,
@@ -213,14 +224,11 @@ def _encode_kernel(
             s_off = page * S_PAGE + h * S_HEAD + d
             tl.store(SCALE + s_off, scale)
             tl.store(ZERO + s_off, zero)
-        code = tl.where(valid, code, 0)  # slots past T stay zero (3-bit words)
-        shift = BITS * j
+        code = tl.where(valid, code, 0)  # slots past T stay zero
+        shift = (2 if BITS == 3 else BITS) * j  # (3-bit codes: the two low bits here, the high bit below)
         rows = tl.arange(0, ROWS_PAD)[:, None]
         row_ok = rows < ROWS
-        if CHANNEL_MAJOR:  # [D, ROWS] (quant.base.ChannelMajor)
-            plane = page * (H * ROWS * D) + h * (ROWS * D) + rows + c[None, :] * ROWS
-        else:  # [ROWS, D], channel c in column 0 2 1 3 of its four if COLUMNS_SWAPPED (quant.base.SwappedColumns)
-            plane = page * (H * ROWS * D) + h * (ROWS * D) + rows * D + (swapped(c) if COLUMNS_SWAPPED else c)[None, :]
+        plane = _plane_offsets(page, h, rows, c, H, D, ROWS, CHANNEL_MAJOR, COLUMNS_SWAPPED)
         if N_HIGH > 0:
             # dense plane: the 2 low bits of every channel; sparse plane: the 2 high bits of boosted ones at their rank
             packed = tl.sum((code & 3) << shift, 0)
@@ -229,8 +237,16 @@ def _encode_kernel(
             hi_off = page * (H * ROWS * N_HIGH) + h * (ROWS * N_HIGH) + rows * N_HIGH + rank[None, :]
             tl.store(HIGH + hi_off, high.to(HIGH.dtype.element_ty), mask=row_ok & boosted[None, :])
         else:
-            packed = tl.sum(code << shift, 0)  # disjoint bit fields: the sum is their OR
+            packed = tl.sum(((code & 3) if BITS == 3 else code) << shift, 0)  # disjoint bit fields: the sum is their OR
             tl.store(CODES + plane, packed.to(CODES.dtype.element_ty), mask=row_ok)
+            if BITS == 3:
+                # the high bits as 1-bit codes in ROWS / 2 rows: token t = slot * ROWS + row sits in
+                # row t % (ROWS / 2), slot t // (ROWS / 2) = 2 * slot + row // (ROWS / 2)
+                high = tl.reshape(code >> 2, [2 * SLOTS_PAD, ROWS_PAD // 2, D])
+                high = tl.sum(high << tl.arange(0, 2 * SLOTS_PAD)[:, None, None], 0)
+                half = tl.arange(0, ROWS_PAD // 2)[:, None]
+                tl.store(HIGH + _plane_offsets(page, h, half, c, H, D, ROWS // 2, CHANNEL_MAJOR, COLUMNS_SWAPPED),
+                         high.to(HIGH.dtype.element_ty), mask=half < ROWS // 2)
 
 
 # True when TRITON_INTERPRET=1 was set at import: the kernels then run on CPU tensors

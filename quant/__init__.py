@@ -18,7 +18,7 @@ the default model's).
 
 What kernels read: codec.kernel_layout(H, D, T), a Layout (layout.py) that says how the page's
 fields are addressed and which encode stages run, so the kernels never ask which method they
-serve; PAGE_TOKENS, CODES_PER_WORD3 and NF4_LEVELS are the constants.
+serve; PAGE_TOKENS and NF4_LEVELS are the constants.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from .kvmix import kvmix_format
 from .kitty import kitty_format
 from .kvarn import kvarn_format
 from .nqkv import NF4_LEVELS, nqkv_format
-from .rtn import CODES_PER_WORD3
 
 
 # preset name -> factory(name, **options); options override the preset's defaults
@@ -80,4 +79,4 @@ def _option_value(text: str) -> int | float | str:
     return text
 
 
-__all__ = ["CODES_PER_WORD3", "FORMAT_NAMES", "NF4_LEVELS", "PAGE_TOKENS", "PRESETS", "KVFormat", "TileCodec", "get_format"]
+__all__ = ["FORMAT_NAMES", "NF4_LEVELS", "PAGE_TOKENS", "PRESETS", "KVFormat", "TileCodec", "get_format"]

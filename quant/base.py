@@ -44,9 +44,8 @@ class TileCodec(ABC):
         """x [..., H, T, D] -> fields, each [..., *field_shape]."""
 
     @abstractmethod
-    def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
-        """fields -> float32 [..., H, T, D]. tokens is only needed where the fields do not
-        determine T (3-bit keys: ceil(T/10) word rows); it defaults to PAGE_TOKENS there."""
+    def decode(self, fields: dict[str, Tensor]) -> Tensor:
+        """fields -> float32 [..., H, T, D]."""
 
     @abstractmethod
     def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
@@ -72,7 +71,7 @@ class Fp16Codec(TileCodec):
     def encode(self, x: Tensor) -> dict[str, Tensor]:
         return {"x": x.half()}
 
-    def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
+    def decode(self, fields: dict[str, Tensor]) -> Tensor:
         return fields["x"].float()
 
     def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
@@ -81,7 +80,7 @@ class Fp16Codec(TileCodec):
 
 @dataclass(frozen=True)
 class StoredOrder(TileCodec):
-    """`inner` with its code plane stored in another order than [H, rows, D]: the one the
+    """`inner` with its code planes stored in another order than [H, rows, D]: the one the
     attention's unpack reads fastest (kernels/attention.py). Everything else is inner's."""
 
     inner: TileCodec
@@ -108,29 +107,30 @@ class StoredOrder(TileCodec):
         """A stored plane back as [..., rows, D]."""
 
     @functools.cached_property
-    def plane(self) -> str:
-        """The name of the code plane (Kitty's keys: "low", the others: "codes")."""
-        return self.inner.kernel_layout(1, 128).fields[0]
+    def planes(self) -> tuple[str, ...]:
+        """The names of the code planes of every channel (Layout.code_planes)."""
+        return self.inner.kernel_layout(1, 128).code_planes
 
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
         specs = dict(self.inner.field_specs(heads, head_dim, tokens))
-        shape, dtype = specs[self.plane]
-        specs[self.plane] = (tuple(self.store(torch.empty(shape, device="meta")).shape), dtype)
+        for name in self.planes:
+            shape, dtype = specs[name]
+            specs[name] = (tuple(self.store(torch.empty(shape, device="meta")).shape), dtype)
         return specs
 
     def encode(self, x: Tensor, *query_weight: Tensor, **options) -> dict[str, Tensor]:
         fields = self.inner.encode(x, *query_weight, **options)
-        return {**fields, self.plane: self.store(fields[self.plane])}
+        return {**fields, **{name: self.store(fields[name]) for name in self.planes}}
 
-    def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
-        return self.inner.decode({**fields, self.plane: self.load(fields[self.plane])}, tokens)
+    def decode(self, fields: dict[str, Tensor]) -> Tensor:
+        return self.inner.decode({**fields, **{name: self.load(fields[name]) for name in self.planes}})
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner})"
 
 
 class ChannelMajor(StoredOrder):
-    """The code plane stored transposed, [H, D, rows]: each channel's packed tokens contiguous.
+    """The code planes stored transposed, [H, D, rows]: each channel's packed tokens contiguous.
     Every format's quantized values are stored so. The attention multiplies values with the
     tokens on the reduced axis, where the tensor cores' operand layout puts four consecutive
     tokens of one channel in each thread: four code rows of a channel are then one aligned
@@ -148,8 +148,8 @@ class ChannelMajor(StoredOrder):
 
 
 class SwappedColumns(StoredOrder):
-    """The code plane's channels stored in the order 0 2 1 3 of every four. The quantized keys
-    of 2- and 4-bit RTN formats are stored so: the attention unpacks four codes with a shift
+    """The code planes' channels stored in the order 0 2 1 3 of every four. The quantized keys
+    of 2-, 3- and 4-bit RTN formats are stored so: the attention unpacks four codes with a shift
     and two lop3 that take bytes 0, 2 and then 1, 3 of a word (one instruction fewer than
     spreading bytes 0, 1 and 2, 3 with two prmt), which puts the channels back in order."""
 
@@ -165,7 +165,7 @@ class SwappedColumns(StoredOrder):
 
 class KVFormat:
     """A named (K codec, V codec) pair: what one page of one layer stores. Quantized values are
-    kept channel-major (ChannelMajor), 2- and 4-bit RTN keys with their channels swapped in
+    kept channel-major (ChannelMajor), 2-, 3- and 4-bit RTN keys with their channels swapped in
     fours (SwappedColumns)."""
 
     # Full-precision sink tokens this format keeps: None = the cache's setting; 0 for a method as
@@ -177,7 +177,7 @@ class KVFormat:
             v = ChannelMajor(v)
         if not isinstance(k, StoredOrder):
             lay = k.kernel_layout(1, 128)
-            if lay.bits in (2, 4) and not lay.nf4:
+            if lay.bits in (2, 3, 4) and not lay.nf4:
                 k = SwappedColumns(k)
         self.name, self.k, self.v, self.sink = name, k, v, sink
 

@@ -84,7 +84,7 @@ class KittyKeyCodec(TileCodec):
 
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
         nb = self.n_boost(head_dim)
-        (rows, _), _ = packed_shape(tokens, head_dim, 2)
+        rows, _ = packed_shape(tokens, head_dim, 2)
         return {
             "low": ((heads, rows, head_dim), torch.uint8),
             "high": ((heads, rows, nb), torch.uint8),
@@ -104,7 +104,7 @@ class KittyKeyCodec(TileCodec):
         high = (codes >> 2).gather(-1, ids.unsqueeze(-2).expand(*codes.shape[:-1], ids.shape[-1]))
         return {"low": pack(codes & 3, 2), "high": pack(high, 2), "ids": ids.to(torch.int16), "scale": scale, "zero": zero}
 
-    def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
+    def decode(self, fields: dict[str, Tensor]) -> Tensor:
         codes, high = unpack(fields["low"], 2), unpack(fields["high"], 2)
         index = fields["ids"].long().unsqueeze(-2).expand_as(high)
         codes = codes.scatter(-1, index, codes.gather(-1, index) | (high << 2))

@@ -7,7 +7,8 @@ These two codecs are also what KVmix uses per layer and Kitty uses for its value
 
     ChannelRTN(b): {"codes": packed [H, T*b/8, D], "scale": f16 [H, D], "zero": f16 [H, D]}
     TokenRTN(b, G): {"codes": packed [H, T*b/8, D], "scale": f16 [H, T, D/G], "zero": f16 [H, T, D/G]}
-(3-bit codes: int32 [H, ceil(T/10), D], see rtn.py.) zero is the group's min.
+(3-bit codes: "codes" packed [H, T/4, D] holds their two low bits and "high" [H, T/8, D] the
+third, see rtn.py.) zero is the group's min.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from torch import Tensor
 from .base import PAGE_TOKENS, FieldSpecs, KVFormat, TileCodec
 from .hadamard import fwht
 from .layout import Layout
-from .rtn import dequantize, pack, packed_shape, quantize, unpack
+from .rtn import HIGH_PLANE, dequantize, pack_planes, plane_specs, quantize, unpack_planes
 
-RTN_FIELDS = ("codes", "scale", "zero", None, None, None)  # Layout.fields of both codecs
+
+def rtn_fields(bits: int) -> tuple[str | None, ...]:
+    """Layout.fields of both codecs (3-bit codes keep their high bit in the HIGH slot)."""
+    return ("codes", "scale", "zero", None, HIGH_PLANE if bits == 3 else None, None)
 
 
 @dataclass(frozen=True)
@@ -32,23 +36,18 @@ class ChannelRTN(TileCodec):
     bits: int
 
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
-        (rows, _), dtype = packed_shape(tokens, head_dim, self.bits)
-        return {
-            "codes": ((heads, rows, head_dim), dtype),
-            "scale": ((heads, head_dim), torch.float16),
-            "zero": ((heads, head_dim), torch.float16),
-        }
+        planes = plane_specs(heads, tokens, head_dim, self.bits)
+        return {**planes, "scale": ((heads, head_dim), torch.float16), "zero": ((heads, head_dim), torch.float16)}
 
     def encode(self, x: Tensor) -> dict[str, Tensor]:
         codes, scale, zero = quantize(x, self.bits, dim=-2)
-        return {"codes": pack(codes, self.bits), "scale": scale, "zero": zero}
+        return {**pack_planes(codes, self.bits), "scale": scale, "zero": zero}
 
-    def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
-        codes = unpack(fields["codes"], self.bits, tokens or PAGE_TOKENS)
-        return dequantize(codes, fields["scale"], fields["zero"], dim=-2)
+    def decode(self, fields: dict[str, Tensor]) -> Tensor:
+        return dequantize(unpack_planes(fields, self.bits), fields["scale"], fields["zero"], dim=-2)
 
     def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
-        return Layout.with_channel_scales(self.bits, heads, head_dim, tokens, RTN_FIELDS)
+        return Layout.with_channel_scales(self.bits, heads, head_dim, tokens, rtn_fields(self.bits))
 
 
 @dataclass(frozen=True)
@@ -67,24 +66,24 @@ class TokenRTN(TileCodec):
         return head_dim // group
 
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
-        (rows, _), dtype = packed_shape(tokens, head_dim, self.bits)
+        planes = plane_specs(heads, tokens, head_dim, self.bits)
         groups = (heads, tokens, self.n_groups(head_dim))
-        return {"codes": ((heads, rows, head_dim), dtype), "scale": (groups, torch.float16), "zero": (groups, torch.float16)}
+        return {**planes, "scale": (groups, torch.float16), "zero": (groups, torch.float16)}
 
     def encode(self, x: Tensor) -> dict[str, Tensor]:
         if self.rotated:
             x = fwht(x)
         grouped = x.unflatten(-1, (self.n_groups(x.shape[-1]), -1))  # [..., H, T, D/G, G]
         codes, scale, zero = quantize(grouped, self.bits, dim=-1)
-        return {"codes": pack(codes.flatten(-2), self.bits), "scale": scale, "zero": zero}
+        return {**pack_planes(codes.flatten(-2), self.bits), "scale": scale, "zero": zero}
 
-    def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
+    def decode(self, fields: dict[str, Tensor]) -> Tensor:
         scale = fields["scale"]
-        codes = unpack(fields["codes"], self.bits, scale.shape[-2]).unflatten(-1, (scale.shape[-1], -1))
+        codes = unpack_planes(fields, self.bits).unflatten(-1, (scale.shape[-1], -1))
         return dequantize(codes, scale, fields["zero"], dim=-1).flatten(-2)
 
     def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
-        return Layout.with_token_scales(self.bits, heads, head_dim, tokens, self.n_groups(head_dim), RTN_FIELDS,
+        return Layout.with_token_scales(self.bits, heads, head_dim, tokens, self.n_groups(head_dim), rtn_fields(self.bits),
                                         rotate=self.rotated)
 
 

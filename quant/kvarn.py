@@ -31,7 +31,7 @@ from torch import Tensor
 from .base import PAGE_TOKENS, FieldSpecs, KVFormat, TileCodec
 from .hadamard import fwht
 from .layout import Layout
-from .rtn import dequantize, pack, packed_shape, quantize, unpack
+from .rtn import HIGH_PLANE, dequantize, pack_planes, plane_specs, quantize, unpack_planes
 
 STD_CLAMP = (1e-3, 1e3)
 
@@ -80,10 +80,10 @@ class KVarNCodec(TileCodec):
     rotated = True
 
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
-        (rows, _), dtype = packed_shape(tokens, head_dim, self.bits)
+        planes = plane_specs(heads, tokens, head_dim, self.bits)
         rtn, kept = ((heads, head_dim), (heads, tokens)) if self.per_channel else ((heads, tokens), (heads, head_dim))
         return {
-            "codes": ((heads, rows, head_dim), dtype),
+            **planes,
             "scale": (rtn, torch.float16),
             "zero": (rtn, torch.float16),
             ("token_scale" if self.per_channel else "channel_scale"): (kept, torch.float16),
@@ -95,26 +95,26 @@ class KVarNCodec(TileCodec):
         if self.per_channel:
             kept = _f16_scale(r)
             codes, scale, zero = quantize(y / kept.float().unsqueeze(-1), self.bits, dim=-2)
-            return {"codes": pack(codes, self.bits), "scale": scale, "zero": zero, "token_scale": kept}
+            return {**pack_planes(codes, self.bits), "scale": scale, "zero": zero, "token_scale": kept}
         kept = _f16_scale(c)
         codes, scale, zero = quantize(y / kept.float().unsqueeze(-2), self.bits, dim=-1)
-        return {"codes": pack(codes, self.bits), "scale": scale, "zero": zero, "channel_scale": kept}
+        return {**pack_planes(codes, self.bits), "scale": scale, "zero": zero, "channel_scale": kept}
 
-    def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
+    def decode(self, fields: dict[str, Tensor]) -> Tensor:
+        codes = unpack_planes(fields, self.bits)
         if self.per_channel:
             kept = fields["token_scale"]
-            codes = unpack(fields["codes"], self.bits, kept.shape[-1])
             return dequantize(codes, fields["scale"], fields["zero"], dim=-2) * kept.float().unsqueeze(-1)
         kept = fields["channel_scale"]
-        codes = unpack(fields["codes"], self.bits, fields["scale"].shape[-1])
         return dequantize(codes, fields["scale"], fields["zero"], dim=-1) * kept.float().unsqueeze(-2)
 
     def kernel_layout(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> Layout:
         encode = dict(rotate=True, sinkhorn_iters=self.iters)
+        high = HIGH_PLANE if self.bits == 3 else None
         if self.per_channel:  # keys: RTN per channel, the stored per-token factor multiplies the logit
-            fields = ("codes", "scale", "zero", "token_scale", None, None)
+            fields = ("codes", "scale", "zero", "token_scale", high, None)
             return Layout.with_channel_scales(self.bits, heads, head_dim, tokens, fields, mult_kind=1, **encode)
-        fields = ("codes", "scale", "zero", "channel_scale", None, None)  # values: one RTN range per token
+        fields = ("codes", "scale", "zero", "channel_scale", high, None)  # values: one RTN range per token
         return Layout.with_token_scales(self.bits, heads, head_dim, tokens, 1, fields, mult_kind=2, **encode)
 
 

@@ -16,7 +16,8 @@ on unquantized K/V. We keep the paper's rule (a share of the context), decode ev
 through the cache, and count the FP16 share in the bits we report.
 
 Layer i is stored exactly as KIVI with its bits (kivi.py): keys per channel, values per
-token; 3-bit codes go 10 to an int32 word (rtn.py), all 30 bits used for real 3-bit codes.
+token; 3-bit codes are a plane of their two low bits and one of their high bit (rtn.py), 3 bits a
+code.
 
 Why K3/K4 where the paper says K2/K3: the reference quantizes keys per channel over groups of
 32 tokens (11 at 3 bits), so its K2 stores 3.0 bits a key and its K3 5.9 once the fp16 scale

@@ -35,8 +35,8 @@ FIELD_SLOTS = ("CODES", "SCALE", "ZERO", "MULT", "HIGH", "IDS")
 class Layout:
     """Constants of one codec at a given (heads, head_dim, tokens); see the module docstring."""
 
-    bits: int  # 16 = raw fp16 values, else code width (2, 3, 4)
-    rows: int  # code rows per head: token t sits in row t % rows, slot t // rows
+    bits: int  # 16 = raw fp16 values, else code width (2, 3, 4; 3: a 2-bit plane and the HIGH 1-bit plane, rtn.py)
+    rows: int  # code rows per head: token t sits in row t % rows, slot t // rows (3 bits: the 2-bit plane's)
     per_token: bool  # scale/zero per (token, group) instead of per channel
     s_page: int  # scale/zero strides (elements): per page,
     s_head: int  # per (kv head // hdiv),
@@ -74,6 +74,12 @@ class Layout:
         """scale/zero [H, T, groups]: one per token and group of head_dim / groups channels."""
         return cls(bits, code_rows(bits, tokens), True, heads * tokens * groups, tokens * groups, groups, 1,
                    head_dim // groups, fields, **options)
+
+    @property
+    def code_planes(self) -> tuple[str, ...]:
+        """The fields that hold codes of every channel, packed along tokens: the code plane, and for
+        3-bit codes the plane of their high bit (Kitty's HIGH plane holds only its boosted channels)."""
+        return (self.fields[0], self.fields[4]) if self.bits == 3 else (self.fields[0],)
 
     def constexprs(self, prefix: str) -> dict[str, int]:
         """The constants every kernel takes (not the encode-only ones) as keyword arguments, prefixed

@@ -57,9 +57,9 @@ class NF4Codec(TileCodec):
     block: int = 256
 
     def field_specs(self, heads: int, head_dim: int, tokens: int = PAGE_TOKENS) -> FieldSpecs:
-        (rows, _), dtype = packed_shape(tokens, head_dim, 4)
+        rows, _ = packed_shape(tokens, head_dim, 4)
         blocks = heads * head_dim // block_size(heads, head_dim, self.block)
-        return {"codes": ((heads, rows, head_dim), dtype), "scale": ((tokens, blocks), torch.float16)}
+        return {"codes": ((heads, rows, head_dim), torch.uint8), "scale": ((tokens, blocks), torch.float16)}
 
     def encode(self, x: Tensor) -> dict[str, Tensor]:
         heads, head_dim = x.shape[-3], x.shape[-1]
@@ -73,7 +73,7 @@ class NF4Codec(TileCodec):
         codes = codes.flatten(-2).unflatten(-1, (heads, head_dim)).transpose(-3, -2)  # back to [..., H, T, D]
         return {"codes": pack(codes, 4), "scale": scale}
 
-    def decode(self, fields: dict[str, Tensor], tokens: int | None = None) -> Tensor:
+    def decode(self, fields: dict[str, Tensor]) -> Tensor:
         codes, scale = unpack(fields["codes"], 4), fields["scale"]
         heads, head_dim = codes.shape[-3], codes.shape[-1]
         values = NF4_LEVELS.to(codes.device)[codes.long()].transpose(-3, -2).flatten(-2)  # [..., T, H*D]

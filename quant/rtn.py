@@ -7,10 +7,13 @@ so decode sees exactly the grid encode rounded to. CPU and CUDA give identical c
 
 Packing is along the token axis (dim -2 of a [..., T, D] tensor), "split" layout, so a
 kernel can dequantize token sub-block j of a page with one shift and one mask:
-- 2 and 4 bits: n = 8 // bits codes per uint8; byte row i (0 <= i < T/n) holds tokens
+- 1, 2 and 4 bits: n = 8 // bits codes per uint8; byte row i (0 <= i < T/n) holds tokens
   i, i + T/n, i + 2T/n, ...; the code of token j*(T/n) + i sits at bits [bits*j, bits*(j+1)).
-- 3 bits: 10 codes per int32 word, W = ceil(T/10) word rows; slot j (bits 3j..3j+2) of
-  word row i holds token j*W + i; slots past T are zero and bits 30-31 are unused.
+- 3 bits: two planes (pack_planes), "codes" with the two low bits of every code packed as
+  2-bit codes and "high" with the third packed as 1-bit codes: 3 bits a code exactly, and each
+  plane unpacks like any other (in the attention kernel: the same magic OR, and the high plane
+  one more product, weighted 4). One 32-bit word of ten codes packed side by side stored 3.25
+  bits a code, and its slots took a shift, a mask and an int-to-float conversion per code.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-CODES_PER_WORD3 = 10  # 3-bit codes per int32 word (30 of its 32 bits)
+HIGH_PLANE = "high"  # the field of a 3-bit codec that holds the codes' high bit (pack_planes)
 
 
 def f16_floor(x: Tensor) -> Tensor:
@@ -60,54 +63,54 @@ def dequantize(codes: Tensor, scale: Tensor, zero: Tensor, dim: int) -> Tensor:
 
 
 def code_rows(bits: int, tokens: int) -> int:
-    """Rows of a packed plane of `tokens` codes: T*bits/8 byte rows, or ceil(T/10) 3-bit words."""
-    return -(-tokens // CODES_PER_WORD3) if bits == 3 else tokens * bits // 8
+    """Byte rows of a packed plane of `tokens` codes, T*bits/8 (3 bits: its low plane's, T/4)."""
+    return tokens * (2 if bits == 3 else bits) // 8
 
 
-def packed_shape(tokens: int, dim: int, bits: int) -> tuple[tuple[int, int], torch.dtype]:
-    """(rows, dim) and dtype that pack() makes of a [tokens, dim] code plane."""
-    if bits == 3:
-        return (code_rows(bits, tokens), dim), torch.int32
-    if bits not in (2, 4):
-        raise ValueError(f"no packing for {bits}-bit codes (2, 3 or 4)")
+def packed_shape(tokens: int, dim: int, bits: int) -> tuple[int, int]:
+    """(rows, dim) of the uint8 plane that pack() makes of a [tokens, dim] plane of 1-, 2- or 4-bit codes."""
+    if bits not in (1, 2, 4):
+        raise ValueError(f"no packing for {bits}-bit codes (1, 2 or 4; 3-bit codes are two planes: pack_planes)")
     n = 8 // bits
     if tokens % n:
         raise ValueError(f"{tokens} tokens do not split into {n} {bits}-bit sub-blocks")
-    return (code_rows(bits, tokens), dim), torch.uint8
+    return code_rows(bits, tokens), dim
 
 
 def pack(codes: Tensor, bits: int) -> Tensor:
     """Pack codes [..., T, D] (values < 2^bits) along T in the split layout (module docstring)."""
     T = codes.shape[-2]
-    if bits == 3:
-        words = -(-T // CODES_PER_WORD3)
-        pad = codes.new_zeros(*codes.shape[:-2], words * CODES_PER_WORD3 - T, codes.shape[-1])
-        slots = torch.cat((codes, pad), -2).to(torch.int32).unflatten(-2, (CODES_PER_WORD3, words))
-        dtype, per_unit = torch.int32, CODES_PER_WORD3
-    else:
-        packed_shape(T, codes.shape[-1], bits)  # validates bits and T
-        per_unit = 8 // bits
-        slots = codes.to(torch.uint8).unflatten(-2, (per_unit, T // per_unit))
-        dtype = torch.uint8
-    shifts = torch.arange(0, bits * per_unit, bits, dtype=dtype, device=codes.device).view(per_unit, 1, 1)
+    packed_shape(T, codes.shape[-1], bits)  # validates bits and T
+    per_byte = 8 // bits
+    slots = codes.to(torch.uint8).unflatten(-2, (per_byte, T // per_byte))
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device).view(per_byte, 1, 1)
     # the shifted codes occupy disjoint bits, so their sum is their bitwise OR
-    return (slots << shifts).sum(-3, dtype=dtype)
+    return (slots << shifts).sum(-3, dtype=torch.uint8)
 
 
-def unpack(packed: Tensor, bits: int, tokens: int | None = None) -> Tensor:
-    """Inverse of pack: uint8 codes [..., T, D].
+def unpack(packed: Tensor, bits: int) -> Tensor:
+    """Inverse of pack: uint8 codes [..., T, D], T = rows * 8 / bits."""
+    packed_shape(packed.shape[-2] * 8 // bits, packed.shape[-1], bits)  # validates bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device).view(8 // bits, 1, 1)
+    return ((packed.unsqueeze(-3) >> shifts) & (2**bits - 1)).flatten(-3, -2)
 
-    tokens is needed only for 3 bits, where ceil(T/10) word rows do not determine T;
-    for 2 and 4 bits T = rows * 8 / bits.
-    """
+
+def plane_specs(heads: int, tokens: int, dim: int, bits: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each plane pack_planes makes of [heads, tokens, dim] `bits`-bit codes."""
+    widths = {"codes": 2, HIGH_PLANE: 1} if bits == 3 else {"codes": bits}
+    return {name: ((heads, *packed_shape(tokens, dim, b)), torch.uint8) for name, b in widths.items()}
+
+
+def pack_planes(codes: Tensor, bits: int) -> dict[str, Tensor]:
+    """codes [..., T, D] as the fields that store them: "codes", and at 3 bits also HIGH_PLANE (the
+    high bit; "codes" then holds the two low bits)."""
     if bits == 3:
-        per_unit, dtype = CODES_PER_WORD3, torch.int32
-        if tokens is None or -(-tokens // per_unit) != packed.shape[-2]:
-            raise ValueError(f"3-bit unpack of {packed.shape[-2]} word rows needs the token count, got {tokens}")
-    elif bits in (2, 4):
-        per_unit, dtype = 8 // bits, torch.uint8
-    else:
-        raise ValueError(f"no packing for {bits}-bit codes (2, 3 or 4)")
-    shifts = torch.arange(0, bits * per_unit, bits, dtype=dtype, device=packed.device).view(per_unit, 1, 1)
-    codes = ((packed.unsqueeze(-3) >> shifts) & (2**bits - 1)).flatten(-3, -2)
-    return codes[..., :tokens, :].to(torch.uint8) if bits == 3 else codes
+        return {"codes": pack(codes & 3, 2), HIGH_PLANE: pack(codes >> 2, 1)}
+    return {"codes": pack(codes, bits)}
+
+
+def unpack_planes(fields: dict[str, Tensor], bits: int) -> Tensor:
+    """Inverse of pack_planes: uint8 codes [..., T, D] (other fields are ignored)."""
+    if bits == 3:
+        return unpack(fields["codes"], 2) | (unpack(fields[HIGH_PLANE], 1) << 2)
+    return unpack(fields["codes"], bits)

@@ -342,7 +342,7 @@ def _halves(r0: int, r1: int) -> list[float]:
     return list(struct.unpack("<4e", struct.pack("<2I", r0, r1)))
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 4])
 @pytest.mark.parametrize("swap", [False, True])
 def test_unpack_asm_gives_offset_plus_code(bits: int, swap: bool):
     """Slot s of four packed bytes (bits-wide codes at bits [bits*s, bits*(s+1)) of each) comes out

@@ -16,7 +16,7 @@ from quant import kvmix
 from quant.hadamard import fwht, hadamard
 from quant.kvarn import imbalance, sinkhorn
 from quant.nqkv import NF4_LEVELS, block_size
-from quant.rtn import dequantize, pack, packed_shape, quantize, unpack
+from quant.rtn import dequantize, pack, pack_planes, packed_shape, plane_specs, quantize, unpack_planes
 
 # a plan exercising every KVmix bit width, for tests that need a kvmix format
 MIXED_PLAN = {"method": "kvmix", "layers": [
@@ -45,50 +45,51 @@ def roundtrip(fmt: quant.KVFormat, k: torch.Tensor, v: torch.Tensor) -> tuple[to
 
 # ---- packing ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bits,tokens", [(2, 128), (2, 8), (4, 128), (4, 6), (3, 128), (3, 30), (3, 7)])
+@pytest.mark.parametrize("bits,tokens", [(1, 128), (1, 16), (2, 128), (2, 8), (4, 128), (4, 6), (3, 128), (3, 24)])
 def test_pack_unpack_bijection(bits, tokens):
     g = torch.Generator().manual_seed(bits * 1000 + tokens)
     codes = torch.randint(0, 2**bits, (2, 3, tokens, 5), generator=g, dtype=torch.uint8)
-    packed = pack(codes, bits)
-    (rows, cols), dtype = packed_shape(tokens, 5, bits)
-    assert packed.shape == (2, 3, rows, cols) and packed.dtype == dtype
-    assert torch.equal(unpack(packed, bits, tokens), codes)
-    # and the other way: every valid packed word is the image of exactly one code plane
-    if bits == 3:
-        words = -(-tokens // 10)
-        slot_codes = torch.randint(0, 8, (words * 10, 5), generator=g, dtype=torch.int32)
-        slot_codes[tokens:] = 0  # slots past T are zero by definition
-        word = sum(slot_codes[j * words:(j + 1) * words] << (3 * j) for j in range(10))
-    else:
-        word = torch.randint(0, 256, (tokens * bits // 8, 5), generator=g, dtype=torch.uint8)
-    assert torch.equal(pack(unpack(word, bits, tokens), bits), word)
+    planes = pack_planes(codes, bits)
+    specs = plane_specs(3, tokens, 5, bits)
+    assert planes.keys() == specs.keys() == ({"codes", "high"} if bits == 3 else {"codes"})
+    for name, plane in planes.items():
+        assert (plane.shape[1:], plane.dtype) == specs[name]
+    assert torch.equal(unpack_planes(planes, bits), codes)
+    # and the other way: every packed plane is the image of exactly one code plane
+    planes = {name: torch.randint(0, 256, shape, generator=g, dtype=dtype) for name, (shape, dtype) in specs.items()}
+    assert all(torch.equal(planes[n], p) for n, p in pack_planes(unpack_planes(planes, bits), bits).items())
+    # 3 bits a code, exactly
+    assert sum(math.prod(shape) for shape, _ in specs.values()) * 8 == 3 * tokens * 5 * bits
 
 
-@pytest.mark.parametrize("bits,tokens", [(2, 16), (4, 16), (3, 23)])
+@pytest.mark.parametrize("bits,tokens", [(1, 16), (2, 16), (4, 16), (3, 32)])
 def test_pack_split_layout(bits, tokens):
-    """Rebuild every packed word from python ints, following quant/rtn.py's layout description literally."""
+    """Rebuild every packed byte from python ints, following quant/rtn.py's layout description literally."""
     g = torch.Generator().manual_seed(7)
     codes = torch.randint(0, 2**bits, (tokens, 3), generator=g, dtype=torch.uint8)
-    packed = pack(codes, bits)
-    per_word = 10 if bits == 3 else 8 // bits
-    rows = -(-tokens // per_word)
-    for i in range(rows):
-        for d in range(3):
-            expect = 0
-            for j in range(per_word):
-                t = j * rows + i  # slot j of row i holds token j*rows + i
-                if t < tokens:
-                    expect |= int(codes[t, d]) << (bits * j)
-            assert int(packed[i, d]) == expect
+    planes = pack_planes(codes, bits)
+    # 3 bits: the two low bits as a 2-bit plane, the high bit as a 1-bit plane
+    parts = {"codes": (2, codes & 3), "high": (1, codes >> 2)} if bits == 3 else {"codes": (bits, codes)}
+    for name, (width, part) in parts.items():
+        per_byte = 8 // width
+        rows = tokens // per_byte
+        assert planes[name].shape == (rows, 3)
+        for i in range(rows):
+            for d in range(3):
+                # slot j of row i holds token j*rows + i at bits [width*j, width*(j+1))
+                expect = sum(int(part[j * rows + i, d]) << (width * j) for j in range(per_byte))
+                assert int(planes[name][i, d]) == expect
 
 
 def test_pack_rejects_bad_shapes():
     with pytest.raises(ValueError):
         pack(torch.zeros(6, 2, dtype=torch.uint8), 2)  # 6 tokens do not fill 4-per-byte rows
     with pytest.raises(ValueError):
-        packed_shape(128, 64, 5)
+        pack_planes(torch.zeros(12, 2, dtype=torch.uint8), 3)  # the high bit's plane needs 8-token rows
     with pytest.raises(ValueError):
-        unpack(torch.zeros(13, 2, dtype=torch.int32), 3)  # 3-bit needs the token count
+        packed_shape(128, 64, 5)
+    with pytest.raises(ValueError, match="two planes"):
+        packed_shape(128, 64, 3)
 
 
 # ---- RTN ----------------------------------------------------------------------------------
@@ -292,26 +293,29 @@ def test_roundtrip_shapes_dtypes_and_error(name, heads, head_dim):
 
 @pytest.mark.parametrize("name", quant.FORMAT_NAMES)
 def test_kernel_layout_addresses_the_stored_fields(name):
-    """A codec's kernel layout names exactly the fields it stores, its code plane with the rows it
-    has, [H, rows, D] or, for quantized values, channel-major [H, D, rows]; the planes of 2- and
-    4-bit RTN keys keep their channels swapped in fours (stored column j holds channel
-    0 2 1 3 of its four), which decode undoes."""
+    """A codec's kernel layout names exactly the fields it stores, its code planes with the rows
+    they have (3-bit codes: a plane of T/4 rows and their high bit's of T/8), [H, rows, D] or, for
+    quantized values, channel-major [H, D, rows]; the planes of 2-, 3- and 4-bit RTN keys keep
+    their channels swapped in fours (stored column j holds channel 0 2 1 3 of its four), which
+    decode undoes."""
     for heads, head_dim in ((1, 64), (3, 128)):
         for fmt in layer_formats(name):
             for codec in (fmt.k, fmt.v):
                 lay, specs = codec.kernel_layout(heads, head_dim), codec.field_specs(heads, head_dim)
                 assert {f for f in lay.fields if f is not None} == set(specs), (fmt.name, codec)
                 assert lay.channel_major == (codec is fmt.v and lay.bits != 16), (fmt.name, codec)
-                plane = specs[lay.fields[0]][0]
-                assert plane == ((heads, head_dim, lay.rows) if lay.channel_major else (heads, lay.rows, head_dim))
-                swappable = codec is fmt.k and lay.bits in (2, 4) and not lay.nf4
+                planes = [lay.fields[0]] + (["high"] if lay.bits == 3 else [])
+                assert list(lay.code_planes) == planes
+                for field, rows in zip(planes, (lay.rows, 128 // 8)):
+                    want = (heads, head_dim, rows) if lay.channel_major else (heads, rows, head_dim)
+                    assert specs[field][0] == want, (fmt.name, codec, field)
+                swappable = codec is fmt.k and lay.bits in (2, 3, 4) and not lay.nf4
                 assert lay.columns_swapped == swappable, (fmt.name, codec)
                 if swappable:  # what is stored at column j is what the plain codec stores at order[j]
                     x = torch.randn(heads, 128, head_dim)
-                    inner = codec.inner.encode(x)[lay.fields[0]]
-                    stored = codec.encode(x)[lay.fields[0]]
                     order = [(j & ~3) | (j & 1) << 1 | (j >> 1) & 1 for j in range(head_dim)]
-                    assert torch.equal(stored, inner[..., order])
+                    for field in planes:
+                        assert torch.equal(codec.encode(x)[field], codec.inner.encode(x)[field][..., order])
                     assert torch.equal(codec.decode(codec.encode(x)), codec.inner.decode(codec.inner.encode(x)))
 
 
@@ -328,7 +332,7 @@ def test_bits_per_element_counts_every_stored_byte(name):
 
 def test_other_page_lengths():
     x = torch.randn(2, 64, 64, dtype=torch.bfloat16)  # any float dtype in, float32 out
-    for name in ("kivi-k2v2", "kitty", "kvarn", "nqkv"):
+    for name in ("kivi-k2v2", "kitty", "kvarn", "nqkv", "kivi-k2v2:k_bits=3:v_bits=3"):
         fmt = quant.get_format(name)
         for codec in (fmt.k, fmt.v):
             fields = codec.encode(x)
@@ -336,12 +340,6 @@ def test_other_page_lengths():
             assert rel_mse(codec.unrotate(codec.decode(fields)), x) < 0.35
         stored = sum(t.numel() * t.element_size() for c in (fmt.k, fmt.v) for t in c.encode(x).values())
         assert fmt.bits_per_element(2, 64, tokens=64) * (2 * 2 * 64 * 64) / 8 == stored
-    # 3-bit keys: ceil(T/10) word rows do not determine T, decode takes it (default: a full page)
-    codec = quant.get_format("kvmix", plan=MIXED_PLAN).for_layer(1).k
-    fields = codec.encode(x)
-    assert rel_mse(codec.decode(fields, tokens=64), x) < 0.08
-    with pytest.raises(ValueError, match="token count"):
-        codec.decode(fields)
 
 
 def test_bits_per_element_values():
