@@ -54,10 +54,12 @@ others 0-3% (session 21).
 plane, and their top bit, a 1-bit plane of half as many rows. Each unpacks by the same OR (a 1-bit
 slot reads 2^(10 - slot) + bit), and the top bit's tile is one more product, against 4 q (keys) or
 4 w (values), exact since 4 is a power of two (_code_dot); its offset joins the low tile's in the
-algebra above (_tile_offset). A step then takes 16 tokens, the 1-bit plane's rows. Ten codes packed
-in a 32-bit word, unpacked a token at a time (shift, mask, int-to-float), took at batch 1 / 32k
-28.6 us for k3v2 pages and 56.0 for k3v3 (0.95x FP16); the two planes 19.4 and 23.6 (H100,
-session 49).
+algebra above (_tile_offset). The 1-bit plane has 16 rows: a 16-token step takes one slot of them,
+a 32-token step two, each half's tile unpacked on its own and the two joined along the rows in
+registers (the second half's word shifted down one slot first, so both carry the same offset;
+_step says which). Ten codes packed in a 32-bit word, unpacked a token at a time (shift, mask,
+int-to-float), took at batch 1 / 16 and 32k 28.6 / 347 us for k3v2 pages and 56.0 / 800 for k3v3
+(0.95x FP16 at batch 1); the two planes 19.4 / 169 and 23.7 / 247 (H100, session 49).
 
 Scales never touch the tile either: every format decodes as x = (level * scale + zero) * mult
 with scale/zero along one axis (channel or token) and mult along the other (quant/layout.py).
@@ -241,19 +243,20 @@ def _nf4_levels(raw, LEVELS, ASM: tl.constexpr):
 
 @triton.jit
 def _levels(raw, LEVELS, BITS: tl.constexpr, SLOT: tl.constexpr, NF4: tl.constexpr, ASM: tl.constexpr,
-            SWAP: tl.constexpr, COLUMNS: tl.constexpr):
+            SWAP: tl.constexpr, COLUMNS: tl.constexpr, LATER: tl.constexpr = 0):
     """fp16 (ASM) or fp32 values of slot SLOT of the packed bytes `raw`: offset + code for RTN codes
-    (_slot_offset), the level itself for NF4. The compiled path is one pure single-input asm per
-    tile, so Triton keeps the result in registers as a dot operand. SWAP (RTN only): the values
-    come out with elements 1 and 2 of every four exchanged along the packed axis: the tile's rows,
-    or its COLUMNS for a plane stored [rows, D] (module docstring)."""
+    (_slot_offset), the level itself for NF4. The compiled path is one pure asm per tile, so Triton
+    keeps the result in registers as a dot operand. SWAP (RTN only): the values come out with
+    elements 1 and 2 of every four exchanged along the packed axis: the tile's rows, or its COLUMNS
+    for a plane stored [rows, D] (module docstring). LATER: the codes of slot SLOT + LATER instead, read
+    as slot SLOT (shifted down first: the same offset)."""
     if NF4:  # (the page loop looks both slots up at once wherever it can: _pages' K_PAIRED, V_PAIRED)
         x = _nf4_levels(raw, LEVELS, ASM)[SLOT]
     elif ASM:
-        x = tl.inline_asm_elementwise(_slot_asm(BITS, SLOT, SWAP), "=r,=r,r", [raw], dtype=tl.float16,
+        x = tl.inline_asm_elementwise(_slot_asm(BITS, SLOT, SWAP, LATER), "=r,=r,r", [raw], dtype=tl.float16,
                                       is_pure=True, pack=4)
     else:
-        x = ((raw.to(tl.int32) >> (BITS * SLOT)) & ((1 << BITS) - 1)).to(tl.float32) + _slot_offset(BITS, SLOT)
+        x = ((raw.to(tl.int32) >> (BITS * (SLOT + LATER))) & ((1 << BITS) - 1)).to(tl.float32) + _slot_offset(BITS, SLOT)
         if SWAP:
             x = _swap_fours(x, COLUMNS)
     return x
@@ -443,13 +446,20 @@ def _tile(base, t, c, c_ok, LEVELS, t0: tl.constexpr, STEP: tl.constexpr, COLS: 
     """Tokens t = t0 + arange(STEP), columns c (c_ok: the ones that exist) of one kv head's [ROWS,
     COLS] plane of a page (at `base`) as a [STEP, len(c)] tile of levels carrying _tile_offset.
     With PRELOADED, `raw` holds the step's rows of the plane already. SWAP: see _levels (a step
-    inside one slot only). CM: see _rows."""
+    inside one slot only). CM: see _rows. A step of 2 * ROWS tokens (a 1-bit plane of a 3-bit
+    code's top bits) reads all ROWS rows at two slots, and t is its first half."""
     if BITS == 16:  # fp16 pages: rows are tokens (only K and V planes: no column mask)
         x = tl.load(base + t[:, None] * COLS + c[None, :])
-    else:  # the step lies in one slot of a block of rows (decode_attention checks that ROWS % STEP == 0)
+    else:  # the step lies in one slot of a block of rows (decode_attention checks that ROWS % STEP == 0) or,
+        # in a 1-bit plane of half its rows (3-bit codes' top bits), in two slots of them
         if not PRELOADED:
             raw = _rows(base, t % ROWS, c, c_ok, COLS, MASKED, CM)
-        x = _levels(raw, LEVELS, BITS, t0 // ROWS, NF4, ASM, SWAP, CM == 0)
+        if STEP == 2 * ROWS:  # the halves' tiles, joined along the rows (in registers: no layout change)
+            first = _levels(raw, LEVELS, BITS, t0 // ROWS, NF4, ASM, SWAP, CM == 0)
+            second = _levels(raw, LEVELS, BITS, t0 // ROWS, NF4, ASM, SWAP, CM == 0, 1)
+            x = tl.reshape(tl.permute(tl.join(first, second), [2, 0, 1]), [2 * ROWS, COLS])
+        else:
+            x = _levels(raw, LEVELS, BITS, t0 // ROWS, NF4, ASM, SWAP, CM == 0)
     return x
 
 
@@ -564,6 +574,13 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
     V_TOP: tl.constexpr = V_BITS == 3
     K_LOW_BITS: tl.constexpr = 2 if K_TOP else K_BITS
     V_LOW_BITS: tl.constexpr = 2 if V_TOP else V_BITS
+    # the top bits' plane has PAGE_TOKENS / 8 rows, read whole at a page's start: a 16-token step takes
+    # one slot of it, a 32-token step two (_tile), with the rows in the order of the step's first half
+    TOP_ROWS: tl.constexpr = PAGE_TOKENS // 8
+    tl.static_assert(((not K_TOP) or (K_ROWS == 2 * TOP_ROWS)) and ((not V_TOP) or (V_ROWS == 2 * TOP_ROWS)),
+                     "3-bit codes: a 2-bit plane of PAGE_TOKENS / 4 rows and a top-bit plane of PAGE_TOKENS / 8")
+    top_rs = tl.arange(0, TOP_ROWS)
+    top_ts = swapped(top_rs) if V_SWAP else top_rs
     # scales per (token, group of channels): tiles decoded element by element (_grouped)
     K_GROUPED: tl.constexpr = K_PER_TOKEN and (K_GROUP < D)
     V_GROUPED: tl.constexpr = V_PER_TOKEN and (V_GROUP < D)
@@ -633,10 +650,10 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
             k_raw = _rows(k_plane, ts, d, d, D, False, K_CM)
         if V_ROWS == STEP:
             v_raw = _rows(v_plane, rs, d, d, D, False, V_CM)
-        if K_TOP and (K_ROWS // 2 == STEP):
-            k_top_raw = _rows(k_top_plane, ts, d, d, D, False, K_CM // 2)
-        if V_TOP and (V_ROWS // 2 == STEP):
-            v_top_raw = _rows(v_top_plane, rs, d, d, D, False, V_CM // 2)
+        if K_TOP:
+            k_top_raw = _rows(k_top_plane, top_ts, d, d, D, False, K_CM // 2)
+        if V_TOP:
+            v_top_raw = _rows(v_top_plane, top_rs, d, d, D, False, V_CM // 2)
         K_TOKEN_SCALED: tl.constexpr = K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16)
         V_TOKEN_SCALED: tl.constexpr = V_PER_TOKEN and (V_GROUP >= D) and (V_BITS != 16)
         k_scales = _page_token_factors(K_SCALE, page, h, ts, K_TOKEN_SCALED, K_S_PAGE, K_S_HEAD, K_S_TOK, K_HDIV,
@@ -674,8 +691,9 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                               K_CM)
                 k_top = k
                 if K_TOP:
-                    k_top = _tile(k_top_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, 1,
-                                  K_ROWS // 2, False, ASM, k_top_raw, K_ROWS // 2 == STEP, K_COLUMNS_SWAPPED, K_CM // 2)
+                    k_top = _tile(k_top_plane, _step_token(i, SLOTS, ROWS, STEP) + top_ts, d, d, LEVELS,
+                                  _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, 1, TOP_ROWS, False, ASM, k_top_raw,
+                                  True, K_COLUMNS_SWAPPED, K_CM // 2)
                 k_off = _tile_offset(K_BITS, K_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), K_NF4)
                 if K_GROUPED:  # decoded in the tile: nothing left to correct after the product
                     if K_TOP:
@@ -755,8 +773,9 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                               V_ROWS, V_NF4, ASM, v_raw, (V_ROWS == STEP) or (V_ROWS == ROWS), V_SWAP, V_CM)
                 v_top = v
                 if V_TOP:
-                    v_top = _tile(v_top_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, 1,
-                                  V_ROWS // 2, False, ASM, v_top_raw, V_ROWS // 2 == STEP, V_SWAP, V_CM // 2)
+                    v_top = _tile(v_top_plane, _step_token(i, SLOTS, ROWS, STEP) + top_rs, d, d, LEVELS,
+                                  _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, 1, TOP_ROWS, False, ASM, v_top_raw,
+                                  True, V_SWAP, V_CM // 2)
                 v_off = _tile_offset(V_BITS, V_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), V_NF4)
                 if V_GROUPED:
                     if V_TOP:
@@ -1322,26 +1341,27 @@ def _block_rows(kl: Layout, vl: Layout, step: int) -> int:
     return max(rows + [step])
 
 
-def _plane_rows(lay: Layout) -> list[int]:
-    """Row counts of a layout's packed planes of every channel (3-bit codes: two, rtn.py; fp16: none)."""
-    if lay.bits == 16:
-        return []
-    return [lay.rows, lay.rows // 2] if lay.bits == 3 else [lay.rows]
-
-
 def _swappable(lay: Layout, step: int, head_dim: int) -> bool:
     """Whether a value plane's tiles may be unpacked swapped: RTN codes of 2, 3 or 4 bits read one slot
     per step (_slot_asm), whose tile goes straight into the product (so the exchanged elements are
     four consecutive tokens, its reduced axis, where the weights' matching order undoes them).
     Tiles decoded element by element first (scales per group of channels) are not."""
-    return (lay.bits in (2, 3, 4) and not lay.nf4 and all(r % step == 0 for r in _plane_rows(lay))
-            and not (lay.per_token and lay.group < head_dim))
+    return lay.bits in (2, 3, 4) and not lay.nf4 and lay.rows % step == 0 and not (lay.per_token and lay.group < head_dim)
 
 
-def _step(kl: Layout, vl: Layout) -> int:
+def _step(kl: Layout, vl: Layout, pages_per_split: int, together: bool) -> int:
     """Tokens per step: the row count of the packed planes when they have 32 or fewer rows (each
-    plane loaded once per page, one slot per step), else 32 (3-bit codes: 16, their top bit's rows)."""
-    return min([32] + _plane_rows(kl) + _plane_rows(vl))
+    plane loaded once per page, one slot per step), else 32. 3-bit codes count their 2-bit plane's
+    rows (a 32-token step reads two slots of their top bits' 16 rows, _tile), but take 16-token
+    steps where keys and values both have them (two joined top tiles of 32 rows spilled), and beside
+    a plane of 32 rows where the page loop is not pipelined (_page_stages at 32-token steps). H100,
+    session 49, us at batch 1 / 16 and 32k, 32- against 16-token steps: k3v3 35.6 / 476 against 23.8
+    / 246; k3v2 20.1 / 170 (pipelined) against 19.3 / 194; k3v4 21.9 / 211 against 27.0 / 258."""
+    step = min([32] + [lay.rows for lay in (kl, vl) if lay.bits != 16])
+    if kl.bits == vl.bits == 3 or (3 in (kl.bits, vl.bits) and step == 32 and max(kl.rows, vl.rows) == 32
+                                   and _page_stages(kl, vl, step, pages_per_split, together) == 1):
+        return 16
+    return step
 
 
 def _whole_planes(kl: Layout, vl: Layout, step: int) -> bool:
@@ -1434,8 +1454,12 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     chunk = min(MERGE_CHUNK, triton.next_power_of_2(num_splits + 1 + RECENT_PARTS if recent_grows else n_parts))
     few_programs = B * H * n_blocks * n_parts <= FEW_PROGRAMS_PER_SM * _sm_count(q.device)
     whole_pages = kl.bits == vl.bits == 16 and few_programs
-    step = launch.step or (min(PAGE_TOKENS, FP16_PAGE_TILE // D) if whole_pages else _step(kl, vl))
-    packed = _plane_rows(kl) + _plane_rows(vl)
+    max_pages = page_table.shape[1]  # the longest row the table holds: what the split count was sized for
+    pages_per_split = _split_pages(max_pages, num_splits, _least_pages(max_pages, launch.min_pages))
+    together = _starts_together(B * H * n_blocks, -(-max_pages // pages_per_split), n_parts - num_splits, q.device)
+    step = launch.step or (min(PAGE_TOKENS, FP16_PAGE_TILE // D) if whole_pages
+                           else _step(kl, vl, pages_per_split, together))
+    packed = [lay.rows for lay in (kl, vl) if lay.bits in (2, 3, 4)]
     if step & (step - 1) or PAGE_TOKENS % step or step < 16 or any(r % step for r in packed):
         raise ValueError(f"step must be a power of 2 >= 16 that divides {PAGE_TOKENS} and the row count of every "
                          f"packed code plane ({packed}), got {step}")
@@ -1446,9 +1470,6 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     if softmax_steps & (softmax_steps - 1) or softmax_steps < 1:
         raise ValueError(f"softmax_steps must be a power of 2 >= 1, got {softmax_steps}")
     swap = SWAP if launch.swap is None else launch.swap
-    max_pages = page_table.shape[1]  # the longest row the table holds: what the split count was sized for
-    pages_per_split = _split_pages(max_pages, num_splits, _least_pages(max_pages, launch.min_pages))
-    together = _starts_together(B * H * n_blocks, -(-max_pages // pages_per_split), n_parts - num_splits, q.device)
     stages = launch.page_stages or _page_stages(kl, vl, step, pages_per_split, together)
     min_pages = launch.min_pages or MIN_PAGES_PER_SPLIT
     prefetch = (not INTERPRETED) and (_prefetches(kl, vl, step, pages_per_split, stages, together)

@@ -132,6 +132,7 @@ CASES = [
     ("kvmix:3v3", 64, 4, 1, "mixed", 2, 3, ""),
     ("kvmix:2v4", 128, 1, 1, "long", 1, None, ""),
     ("kvmix:4v3", 64, 7, 2, "long", 2, 2, ""),
+    ("kvmix:3v2", 128, 4, 1, "long", 2, 3, "window=300"),  # 3-bit keys in 32-token steps: their top bits at two slots
     ("kitty-pro", 64, 7, 11, "mixed", 1, 2, "window=60,lse"),  # 77 q rows per kv head: two row blocks
     # steps per softmax update other than the default 4 (a whole 2-bit page, under which every
     # other case runs, windows masking whole groups): one a step with a window, a 4-bit block's 2,
@@ -299,12 +300,13 @@ def test_tile_options_do_not_change_the_result(name: str):
         call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(softmax_steps=3))
 
 
-def _run_ptx(asm: str, word: int, outputs: int = 2, lane: int = 0) -> list[int]:
+def _run_ptx(asm: str, word: int, outputs: int = 2, lane: int = 0, more: tuple[int, ...] = ()) -> list[int]:
     """Our reading of the few PTX b32 instructions the unpack asm uses (mov, and, or, shl, shr,
     lop3, prmt in its default and sign-replicate modes; the lane masks of lane `lane`), run on one
-    input word (the register after the outputs): the outputs $0 .. The interpreter cannot run PTX,
-    so this is what checks the asm strings on CPU."""
+    input word (the register after the outputs) and the `more` operands after it: the outputs $0 ..
+    The interpreter cannot run PTX, so this is what checks the asm strings on CPU."""
     regs = {f"${outputs}": word, "%lanemask_lt": (1 << lane) - 1, "%lanemask_gt": 0xFFFFFFFF & ~((2 << lane) - 1)}
+    regs.update({f"${outputs + 1 + i}": m for i, m in enumerate(more)})
     for line in asm.replace("{", "").replace("}", "").split(";"):
         line = line.strip()
         if not line or line.startswith(".reg"):
@@ -344,17 +346,21 @@ def _halves(r0: int, r1: int) -> list[float]:
 
 @pytest.mark.parametrize("bits", [1, 2, 4])
 @pytest.mark.parametrize("swap", [False, True])
-def test_unpack_asm_gives_offset_plus_code(bits: int, swap: bool):
+@pytest.mark.parametrize("later", [0, 1])
+def test_unpack_asm_gives_offset_plus_code(bits: int, swap: bool, later: int):
     """Slot s of four packed bytes (bits-wide codes at bits [bits*s, bits*(s+1)) of each) comes out
-    as the fp16 numbers 2^(10 - bits*s) + code, byte i as element i, or swapped: bytes 0 2 1 3."""
+    as the fp16 numbers 2^(10 - bits*s) + code, byte i as element i, or swapped: bytes 0 2 1 3;
+    told that the codes sit `later` slots on (a 3-bit code's top bit in a 32-token step), the codes
+    of slot s + later, with slot s's offset."""
     gen = torch.Generator().manual_seed(5)
     words = [0, 0xFFFFFFFF] + torch.randint(0, 2**32, (200,), generator=gen, dtype=torch.int64).tolist()
     order = [0, 2, 1, 3] if swap else [0, 1, 2, 3]
-    for slot in range(8 // bits):
-        asm = attention._slot_asm(bits, slot, swap)
+    for slot in range(8 // bits - later):
+        asm = attention._slot_asm(bits, slot, swap, later=bool(later))
         for w in words:
-            codes = [(w >> 8 * i >> bits * slot) & ((1 << bits) - 1) for i in order]
-            assert _halves(*_run_ptx(asm, w)) == [2.0 ** (10 - bits * slot) + c for c in codes], (slot, hex(w))
+            codes = [(w >> 8 * i >> bits * (slot + later)) & ((1 << bits) - 1) for i in order]
+            got = _halves(*_run_ptx(asm, w, more=(bits * later,) * 4))  # (the shift operand of each code)
+            assert got == [2.0 ** (10 - bits * slot) + c for c in codes], (slot, hex(w))
 
 
 def test_nf4_asm_gives_the_levels():
@@ -529,6 +535,8 @@ def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
     ("kitty", 28, 30, 2),       # 4 splits of 8, 224 pairs: 1120 programs, more than 1056 slots
     ("kitty", 48, 30, 2),       # 9 splits of 4, 384 pairs
     ("kivi-k4v4", 16, 256, 1),  # 4-bit planes are read a block of rows at a time
+    ("kvmix:3v2", 16, 256, 2),  # 3-bit keys: a 2-bit plane of one step's rows, the top bits' read whole
+    ("kvmix:3v2", 1, 256, 1),
     ("nqkv", 16, 256, 1),
     ("fp16", 16, 256, 1),
 ])
@@ -550,8 +558,24 @@ def _launch_of(kl, vl, batch: int, pages: int) -> tuple[int, int, bool]:
     splits = attention.default_splits(pages, pairs, torch.device("cpu"))
     per = attention._split_pages(pages, splits, attention._least_pages(pages, None))
     tier_parts = 1 + (1 if 2 * pairs >= 132 else 4)
-    return attention._step(kl, vl), per, attention._starts_together(pairs, -(-pages // per), tier_parts,
-                                                                    torch.device("cpu"))
+    together = attention._starts_together(pairs, -(-pages // per), tier_parts, torch.device("cpu"))
+    return attention._step(kl, vl, per, together), per, together
+
+
+@pytest.mark.parametrize("name,batch,pages,want", [
+    ("kivi-k2v2", 1, 256, 32),
+    ("kvmix:4v2", 16, 256, 32),
+    ("kvmix:3v2", 16, 256, 32),  # pipelined: the top bits' 16 rows at two slots a step
+    ("kvmix:3v2", 1, 256, 16),   # not pipelined: one slot a step
+    ("kvmix:3v4", 1, 256, 32),   # beside 4-bit values
+    ("kvmix:3v3", 16, 256, 16),  # 3-bit keys and values
+])
+def test_three_bit_step(name, batch, pages, want, monkeypatch):
+    """Tokens per step on an H100 for Llama-3-8B's shape: 32 where planes have 32 rows or more, but
+    16 for 3-bit keys and values, and for 3-bit codes beside 2-bit ones in a loop not pipelined."""
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    kl, vl = attention._layouts(get_format(name), 8, 128)
+    assert _launch_of(kl, vl, batch, pages)[0] == want
 
 
 @pytest.mark.parametrize("pairs,live,tier_parts,want", [
