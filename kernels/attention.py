@@ -35,12 +35,12 @@ Value planes are stored channel-major (quant.base.ChannelMajor): the value produ
 tokens, and Triton's fp16 operand layout for an 8-bit source holds four consecutive tokens of one
 channel per thread, which a [D, rows] plane delivers as one aligned 32-bit word (a [rows, D] plane
 took three byte permutes per word to transpose in registers). Their codes are unpacked "swapped"
-(2- and 4-bit RTN, a tile that goes straight into the product): instead of the prmt that puts
+(2-, 3- and 4-bit RTN, a tile that goes straight into the product): instead of the prmt that puts
 bytes 0,1 into one register's halves, bytes 0,2 are taken as they lie and bytes 1,3 after one
 shift, three instructions per four codes instead of four. Tokens 1 and 2 of every four then
 trade places in the tile, so the key rows, the token factors and the window mask take the same
 order (quantize.swapped) and the products still pair each weight with its value. The keys' codes
-(2- and 4-bit RTN) are unpacked the same way, but there the exchange is undone in storage: their
+(2-, 3- and 4-bit RTN) are unpacked the same way, but there the exchange is undone in storage: their
 planes keep the channels of every four in the order 0 2 1 3 (quant.base.SwappedColumns), so the
 swapped unpack puts them back in order and q needs no reordering. The interpreter does the same
 exchanges with reshapes (_swap_fours), so the CPU tests check this bookkeeping; the GPU tests
@@ -69,7 +69,7 @@ by a pure asm load (_page_token_factors). Kitty's boosted channels add one more 
 product per step: their high-bit plane against q gathered at the boosted ids (x 4 x scale).
 
 Pipelining: in launches whose page programs come in more than one wave, where every packed plane
-is one step's rows (the 2-bit RTN formats) and a split walks at least PIPELINE_MIN_PAGES pages, the
+is one step's rows (the 2-bit RTN formats, and 3-bit codes in 32-token steps) and a split walks at least PIPELINE_MIN_PAGES pages, the
 page loop alone runs with Triton's num_stages=2, which copies the next page's code planes, channel
 scales and boosted plane into shared memory (cp.async) while this page computes (_page_stages). The
 FP16 tiers' loops are never pipelined. Where every page program is resident at once (launches of few
@@ -124,7 +124,7 @@ def _slot_offset(bits, slot):
 
 
 @constexpr_function
-def _tile_offset(bits, rows, step, t0, nf4):
+def _tile_offset(bits, rows, t0, nf4):
     """The offset _tile's levels carry for the step starting at token t0 (0: plain values). 3-bit
     codes: what their two tiles carry together, the low bits' (a 2-bit plane of `rows` rows) plus 4
     times the top bit's (a 1-bit plane of rows / 2), as their products weigh them (_code_dot)."""
@@ -136,12 +136,12 @@ def _tile_offset(bits, rows, step, t0, nf4):
 
 
 @constexpr_function
-def _corrects(bits, rows, step, nf4, per_token, has_zero, group, head_dim, apart):
+def _corrects(bits, rows, nf4, per_token, has_zero, group, head_dim, apart):
     """Whether the value products leave anything in corr (_pages): the offsets of packed RTN tiles
     (_tile_offset), or per-token zeros. NF4 pages, FP16 pages and values kept apart (V_APART) leave
     nothing, and their loop then keeps no corr tile (an all-zero tile still took registers, and a
     multiply at every rescale)."""
-    offsets = _tile_offset(bits, rows, step, 0, nf4) != 0 and not (per_token and group < head_dim)  # (grouped: decoded)
+    offsets = _tile_offset(bits, rows, 0, nf4) != 0 and not (per_token and group < head_dim)  # (grouped: decoded)
     zeros = per_token and has_zero and bits != 16 and group == head_dim
     return not apart and (offsets or zeros)
 
@@ -445,8 +445,8 @@ def _tile(base, t, c, c_ok, LEVELS, t0: tl.constexpr, STEP: tl.constexpr, COLS: 
           PRELOADED: tl.constexpr, SWAP: tl.constexpr, CM: tl.constexpr):
     """Tokens t = t0 + arange(STEP), columns c (c_ok: the ones that exist) of one kv head's [ROWS,
     COLS] plane of a page (at `base`) as a [STEP, len(c)] tile of levels carrying _tile_offset.
-    With PRELOADED, `raw` holds the step's rows of the plane already. SWAP: see _levels (a step
-    inside one slot only). CM: see _rows. A step of 2 * ROWS tokens (a 1-bit plane of a 3-bit
+    With PRELOADED, `raw` holds the step's rows of the plane already. SWAP: see _levels. CM: see
+    _rows. A step of 2 * ROWS tokens (a 1-bit plane of a 3-bit
     code's top bits) reads all ROWS rows at two slots, and t is its first half."""
     if BITS == 16:  # fp16 pages: rows are tokens (only K and V planes: no column mask)
         x = tl.load(base + t[:, None] * COLS + c[None, :])
@@ -465,9 +465,9 @@ def _tile(base, t, c, c_ok, LEVELS, t0: tl.constexpr, STEP: tl.constexpr, COLS: 
 
 @triton.jit
 def _code_dot(x, x_top, y, acc, TOP: tl.constexpr):
-    """x @ y + acc, x a tile of code levels in the product's orientation; with TOP (3-bit codes) x
-    holds their two low bits and x_top their top bit, which weighs 4: one more product, against 4 y
-    (exact in fp16: a power of two)."""
+    """x @ y + acc (acc None: x @ y), x a tile of code levels in the product's orientation; with TOP
+    (3-bit codes) x holds their two low bits and x_top their top bit, which weighs 4: one more
+    product, against 4 y (exact in fp16: a power of two)."""
     acc = tl.dot(x, y, acc)
     if TOP:
         acc = tl.dot(x_top, y * 4.0, acc)
@@ -553,7 +553,7 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
     # value factors that live outside the [D, N] accumulator's running sum: per-channel scales
     # (or KVarN's per-channel multiplier) differ from page to page, so those steps keep their product apart
     V_APART: tl.constexpr = (not V_PER_TOKEN and V_BITS != 16) or V_MULT_KIND == 2
-    V_CORRECTS: tl.constexpr = _corrects(V_BITS, V_ROWS, STEP, V_NF4, V_PER_TOKEN, V_HAS_ZERO, V_GROUP, D, V_APART)
+    V_CORRECTS: tl.constexpr = _corrects(V_BITS, V_ROWS, V_NF4, V_PER_TOKEN, V_HAS_ZERO, V_GROUP, D, V_APART)
     # per-token factors loaded straight into the logits' layout (_page_token_factors), except in a
     # pipelined loop whose value products are kept apart (KVarN at batch 16 and 64), where the
     # compact tile was faster: kvarn batch 64 / 32k 630 against 655 us, batch 16 191 against 195
@@ -694,7 +694,7 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                     k_top = _tile(k_top_plane, _step_token(i, SLOTS, ROWS, STEP) + top_ts, d, d, LEVELS,
                                   _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, 1, TOP_ROWS, False, ASM, k_top_raw,
                                   True, K_COLUMNS_SWAPPED, K_CM // 2)
-                k_off = _tile_offset(K_BITS, K_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), K_NF4)
+                k_off = _tile_offset(K_BITS, K_ROWS, _step_token(i, SLOTS, ROWS, STEP), K_NF4)
                 if K_GROUPED:  # decoded in the tile: nothing left to correct after the product
                     if K_TOP:
                         k = k.to(tl.float32) + 4.0 * k_top.to(tl.float32)
@@ -706,11 +706,11 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                     # pass over the logits: kitty 5-7% faster at batch 16 / 64 (H100, session 16)
                     k_bias = q_zero - k_off * q_sum
                     if K_N_HIGH > 0:
-                        k_bias -= _tile_offset(2, K_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), False) * q_hi_sum
+                        k_bias -= _tile_offset(2, K_ROWS, _step_token(i, SLOTS, ROWS, STEP), False) * q_hi_sum
                     s = _code_dot(k.to(dt), k_top.to(dt), tl.trans(qf),
                                   tl.zeros([STEP, BLOCK_N], tl.float32) + k_bias[None, :], K_TOP)
                 else:
-                    s = _code_dot(k.to(dt), k_top.to(dt), tl.trans(qf), tl.zeros([STEP, BLOCK_N], tl.float32),
+                    s = _code_dot(k.to(dt), k_top.to(dt), tl.trans(qf), None,
                                   K_TOP and not K_GROUPED)
                 if K_PER_TOKEN and (K_GROUP >= D) and (K_BITS != 16):
                     if k_off != 0.0:
@@ -776,7 +776,7 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                     v_top = _tile(v_top_plane, _step_token(i, SLOTS, ROWS, STEP) + top_rs, d, d, LEVELS,
                                   _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, 1, TOP_ROWS, False, ASM, v_top_raw,
                                   True, V_SWAP, V_CM // 2)
-                v_off = _tile_offset(V_BITS, V_ROWS, STEP, _step_token(i, SLOTS, ROWS, STEP), V_NF4)
+                v_off = _tile_offset(V_BITS, V_ROWS, _step_token(i, SLOTS, ROWS, STEP), V_NF4)
                 if V_GROUPED:
                     if V_TOP:
                         v = v.to(tl.float32) + 4.0 * v_top.to(tl.float32)
@@ -796,7 +796,7 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                     if V_PER_TOKEN and V_HAS_ZERO:
                         off_w -= tl.sum(w * _step_factor(v_zeros, i, FACTORS_DIRECT)[:, None], 0)
                     pv = v_chan[:, None] * (_code_dot(tl.trans(v.to(dt)), tl.trans(v_top.to(dt)), ww,
-                                                      tl.zeros([D, BLOCK_N], tl.float32), V_TOP and not V_GROUPED)
+                                                      None, V_TOP and not V_GROUPED)
                                             - off_w[None, :])
                     if (not V_PER_TOKEN) and V_HAS_ZERO:
                         w_sum = tl.sum(w, 0)
@@ -1365,7 +1365,8 @@ def _step(kl: Layout, vl: Layout, pages_per_split: int, together: bool) -> int:
 
 
 def _whole_planes(kl: Layout, vl: Layout, step: int) -> bool:
-    """Whether every packed plane is one step's rows (the 2-bit RTN formats), read whole at a page's start."""
+    """Whether every packed plane is one step's rows (the 2-bit RTN formats; 3-bit codes in 32-token steps,
+    whose top bits' plane is read whole too), read whole at a page's start."""
     return all(lay.bits != 16 and not lay.nf4 and lay.rows == step for lay in (kl, vl))
 
 
@@ -1378,8 +1379,8 @@ def _page_stages(kl: Layout, vl: Layout, step: int, pages_per_split: int, togeth
 
 def _prefetches(kl: Layout, vl: Layout, step: int, pages_per_split: int, page_stages: int, together: bool) -> bool:
     """Whether the page loop prefetches the next page into the L2 (PREFETCH): in a launch whose page
-    programs start together, for loops over more than one page of whole 2-bit planes that are not
-    pipelined."""
+    programs start together, for loops over more than one page of whole planes (_whole_planes) that are
+    not pipelined."""
     return PREFETCH and together and page_stages == 1 and pages_per_split > 1 and _whole_planes(kl, vl, step)
 
 

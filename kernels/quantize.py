@@ -240,6 +240,7 @@ def _encode_kernel(
             packed = tl.sum(((code & 3) if BITS == 3 else code) << shift, 0)  # disjoint bit fields: the sum is their OR
             tl.store(CODES + plane, packed.to(CODES.dtype.element_ty), mask=row_ok)
             if BITS == 3:
+                tl.static_assert(ROWS == ROWS_PAD, "3-bit pages need a power-of-2 token count")
                 # the high bits as 1-bit codes in ROWS / 2 rows: token t = slot * ROWS + row sits in
                 # row t % (ROWS / 2), slot t // (ROWS / 2) = 2 * slot + row // (ROWS / 2)
                 high = tl.reshape(code >> 2, [2 * SLOTS_PAD, ROWS_PAD // 2, D])

@@ -17,6 +17,7 @@
     V: {"codes": packed [H, T*b/8, D], "scale": f16 [H, T], "zero": f16 [H, T], "channel_scale": f16 [H, D]}
        y[t, d] ~= channel_scale[d] * (code * scale[t] + zero[t])
 
+(3-bit codes: "codes" [H, T/4, D] holds their two low bits and "high" [H, T/8, D] the third, rtn.py.)
 encode takes the un-rotated tile; decode returns the rotated-domain values (y = x @ Hd).
 Presets: kvarn (K2V2) and kvarn-k4v2.
 """

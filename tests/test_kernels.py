@@ -132,7 +132,7 @@ CASES = [
     ("kvmix:3v3", 64, 4, 1, "mixed", 2, 3, ""),
     ("kvmix:2v4", 128, 1, 1, "long", 1, None, ""),
     ("kvmix:4v3", 64, 7, 2, "long", 2, 2, ""),
-    ("kvmix:3v2", 128, 4, 1, "long", 2, 3, "window=300"),  # 3-bit keys in 32-token steps: their top bits at two slots
+    ("kvmix:3v2", 128, 4, 1, "long", 2, 3, "window=300,step=32"),  # 3-bit keys' top bits at two slots a step
     ("kitty-pro", 64, 7, 11, "mixed", 1, 2, "window=60,lse"),  # 77 q rows per kv head: two row blocks
     # steps per softmax update other than the default 4 (a whole 2-bit page, under which every
     # other case runs, windows masking whole groups): one a step with a window, a 4-bit block's 2,
@@ -205,7 +205,8 @@ def test_triton_attention_matches_reference(name, head_dim, group, queries, rows
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE) if queries == 1 else None
     softmax_steps = int(opts["softmax_steps"]) if "softmax_steps" in opts else None  # None: the default
     page_stages = int(opts["page_stages"]) if "page_stages" in opts else None
-    launch = attention.Launch(num_splits=splits, softmax_steps=softmax_steps, page_stages=page_stages)
+    step = int(opts["step"]) if "step" in opts else None
+    launch = attention.Launch(num_splits=splits, softmax_steps=softmax_steps, page_stages=page_stages, step=step)
     got = call(attention.decode_attention, q, c, head_dim**-0.5, out=out, launch=launch, **kw)
     if kw["return_lse"]:
         (got, lse), (want, want_lse) = got, want
@@ -288,7 +289,7 @@ def test_tile_options_do_not_change_the_result(name: str):
     want = call(reference.decode_attention, q, c, 0.125).float()
     for opts in (dict(), dict(step=16, num_warps=4), dict(block_n=32, num_warps=1), dict(block_n=4),
                  dict(num_warps=2, num_stages=3), dict(softmax_steps=4), dict(step=16, softmax_steps=8),
-                 dict(swap=False)):
+                 dict(step=32), dict(swap=False)):
         got = call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(num_splits=2, **opts)).float()
         # relative to the output's scale, as TOL is (the products' offset cancellation leaves
         # rounding that moves with the tile shapes)
@@ -300,13 +301,12 @@ def test_tile_options_do_not_change_the_result(name: str):
         call(attention.decode_attention, q, c, 0.125, launch=attention.Launch(softmax_steps=3))
 
 
-def _run_ptx(asm: str, word: int, outputs: int = 2, lane: int = 0, more: tuple[int, ...] = ()) -> list[int]:
+def _run_ptx(asm: str, word: int, outputs: int = 2, lane: int = 0) -> list[int]:
     """Our reading of the few PTX b32 instructions the unpack asm uses (mov, and, or, shl, shr,
     lop3, prmt in its default and sign-replicate modes; the lane masks of lane `lane`), run on one
-    input word (the register after the outputs) and the `more` operands after it: the outputs $0 ..
-    The interpreter cannot run PTX, so this is what checks the asm strings on CPU."""
+    input word (the register after the outputs): the outputs $0 .. The interpreter cannot run PTX,
+    so this is what checks the asm strings on CPU."""
     regs = {f"${outputs}": word, "%lanemask_lt": (1 << lane) - 1, "%lanemask_gt": 0xFFFFFFFF & ~((2 << lane) - 1)}
-    regs.update({f"${outputs + 1 + i}": m for i, m in enumerate(more)})
     for line in asm.replace("{", "").replace("}", "").split(";"):
         line = line.strip()
         if not line or line.startswith(".reg"):
@@ -356,11 +356,10 @@ def test_unpack_asm_gives_offset_plus_code(bits: int, swap: bool, later: int):
     words = [0, 0xFFFFFFFF] + torch.randint(0, 2**32, (200,), generator=gen, dtype=torch.int64).tolist()
     order = [0, 2, 1, 3] if swap else [0, 1, 2, 3]
     for slot in range(8 // bits - later):
-        asm = attention._slot_asm(bits, slot, swap, later=bool(later))
+        asm = attention._slot_asm(bits, slot, swap, later)
         for w in words:
             codes = [(w >> 8 * i >> bits * (slot + later)) & ((1 << bits) - 1) for i in order]
-            got = _halves(*_run_ptx(asm, w, more=(bits * later,) * 4))  # (the shift operand of each code)
-            assert got == [2.0 ** (10 - bits * slot) + c for c in codes], (slot, hex(w))
+            assert _halves(*_run_ptx(asm, w)) == [2.0 ** (10 - bits * slot) + c for c in codes], (slot, hex(w))
 
 
 def test_nf4_asm_gives_the_levels():

@@ -58,7 +58,7 @@ def test_pack_unpack_bijection(bits, tokens):
     # and the other way: every packed plane is the image of exactly one code plane
     planes = {name: torch.randint(0, 256, shape, generator=g, dtype=dtype) for name, (shape, dtype) in specs.items()}
     assert all(torch.equal(planes[n], p) for n, p in pack_planes(unpack_planes(planes, bits), bits).items())
-    # 3 bits a code, exactly
+    # `bits` bits a code, exactly (3 heads x tokens x 5 channels)
     assert sum(math.prod(shape) for shape, _ in specs.values()) * 8 == 3 * tokens * 5 * bits
 
 
@@ -306,7 +306,7 @@ def test_kernel_layout_addresses_the_stored_fields(name):
                 assert lay.channel_major == (codec is fmt.v and lay.bits != 16), (fmt.name, codec)
                 planes = [lay.fields[0]] + (["high"] if lay.bits == 3 else [])
                 assert list(lay.code_planes) == planes
-                for field, rows in zip(planes, (lay.rows, 128 // 8)):
+                for field, rows in zip(planes, (lay.rows, quant.PAGE_TOKENS // 8)):
                     want = (heads, head_dim, rows) if lay.channel_major else (heads, rows, head_dim)
                     assert specs[field][0] == want, (fmt.name, codec, field)
                 swappable = codec is fmt.k and lay.bits in (2, 3, 4) and not lay.nf4
