@@ -464,6 +464,16 @@ def _tile(base, t, c, c_ok, LEVELS, t0: tl.constexpr, STEP: tl.constexpr, COLS: 
 
 
 @triton.jit
+def _top_tile(low, plane, raw, t0: tl.constexpr, order, d, LEVELS, STEP: tl.constexpr, D: tl.constexpr,
+              ROWS: tl.constexpr, ASM: tl.constexpr, SWAP: tl.constexpr, CM: tl.constexpr, TOP: tl.constexpr):
+    """With TOP (3-bit codes), the step's tile of their top bits: the 1-bit plane of ROWS rows at `plane`,
+    read whole at the page's start (raw, rows in `order`); else `low`, the code tile (never used)."""
+    if TOP:
+        return _tile(plane, t0 + order, d, d, LEVELS, t0, STEP, D, False, 1, ROWS, False, ASM, raw, True, SWAP, CM)
+    return low
+
+
+@triton.jit
 def _code_dot(x, x_top, y, acc, TOP: tl.constexpr):
     """x @ y + acc (acc None: x @ y), x a tile of code levels in the product's orientation; with TOP
     (3-bit codes) x holds their two low bits and x_top their top bit, which weighs 4: one more
@@ -689,11 +699,8 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                     k = _tile(k_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, K_LOW_BITS,
                               K_ROWS, K_NF4, ASM, k_raw, (K_ROWS == STEP) or (K_ROWS == ROWS), K_COLUMNS_SWAPPED,
                               K_CM)
-                k_top = k
-                if K_TOP:
-                    k_top = _tile(k_top_plane, _step_token(i, SLOTS, ROWS, STEP) + top_ts, d, d, LEVELS,
-                                  _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, 1, TOP_ROWS, False, ASM, k_top_raw,
-                                  True, K_COLUMNS_SWAPPED, K_CM // 2)
+                k_top = _top_tile(k, k_top_plane, k_top_raw, _step_token(i, SLOTS, ROWS, STEP), top_ts, d, LEVELS, STEP, D,
+                                  TOP_ROWS, ASM, K_COLUMNS_SWAPPED, K_CM // 2, K_TOP)
                 k_off = _tile_offset(K_BITS, K_ROWS, _step_token(i, SLOTS, ROWS, STEP), K_NF4)
                 if K_GROUPED:  # decoded in the tile: nothing left to correct after the product
                     if K_TOP:
@@ -771,11 +778,8 @@ def _pages(q, p0, p1, first_page, PT, slot, s_pt_b, s_pt_p, Q, row_base, n_rows,
                 else:
                     v = _tile(v_plane, t, d, d, LEVELS, _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, V_LOW_BITS,
                               V_ROWS, V_NF4, ASM, v_raw, (V_ROWS == STEP) or (V_ROWS == ROWS), V_SWAP, V_CM)
-                v_top = v
-                if V_TOP:
-                    v_top = _tile(v_top_plane, _step_token(i, SLOTS, ROWS, STEP) + top_rs, d, d, LEVELS,
-                                  _step_token(i, SLOTS, ROWS, STEP), STEP, D, False, 1, TOP_ROWS, False, ASM, v_top_raw,
-                                  True, V_SWAP, V_CM // 2)
+                v_top = _top_tile(v, v_top_plane, v_top_raw, _step_token(i, SLOTS, ROWS, STEP), top_rs, d, LEVELS, STEP, D,
+                                  TOP_ROWS, ASM, V_SWAP, V_CM // 2, V_TOP)
                 v_off = _tile_offset(V_BITS, V_ROWS, _step_token(i, SLOTS, ROWS, STEP), V_NF4)
                 if V_GROUPED:
                     if V_TOP:
