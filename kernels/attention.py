@@ -1015,7 +1015,7 @@ class Launch:
     programs the FP16 recent tier is split over (RECENT_PARTS, more for a long tier: RECENT_PART_TOKENS). step: tokens per inner step (a power of 2, 16..PAGE_TOKENS; default
     _step). block_n: query rows per program (a power of 2 >= 4, which tl.dot pads to the MMA's 8
     itself; default the rows rounded up to BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton
-    launch options (defaults NUM_WARPS or FP16_PAGE_WARPS, NUM_STAGES). asm:
+    launch options (defaults NUM_WARPS, FP16_PAGE_WARPS or NF4_WARPS, NUM_STAGES). asm:
     unpack codes with PTX (default whenever compiled). softmax_steps: steps whose logits are all
     computed before one update of the running max (a power of 2, capped at a page's steps;
     default SOFTMAX_STEPS). swap: unpack the values' codes swapped where _swappable allows
@@ -1070,7 +1070,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 # Programs per SM the split rule aims at: each program walks its pages one after the other, so
-# the number in flight is what hides memory latency. One warp per program, no
+# the number in flight is what hides memory latency. One warp per program (NF4 pages: NF4_WARPS), no
 # software pipelining of the whole kernel: the fastest launch of a sweep of warps and stages for the
 # 2-bit and 4-bit formats (docs/benchmarks.md, sessions 6 and 15; the page loop alone is pipelined
 # where that pays, PIPELINE_STAGES). With a [D, N] accumulator and a page's codes live a warp
@@ -1080,6 +1080,15 @@ PROGRAMS_PER_SM = 32
 # at 32k batch 16 387 -> 360 us, batch 64 1325 -> 1287, batch 16 / 4k 71 -> 70, batch 64 / 4k
 # 202 -> 206 (`--variants auto,m64`, two runs, H100, session 21); batch 1 is capped by its pages.
 NF4_PROGRAMS_PER_SM = 64
+# ... and two warps a program: Triton spreads each tile over both, so a warp's page takes 1872 instructions
+# instead of 3597 and 133 registers instead of 255 with 72 bytes of stack (scripts/sass.py), and an SM holds
+# 14 warps instead of 8 to hide the lookups' latency. Llama-3-8B shape, H100, session 51, us, one warp ->
+# two: batch 1 / 4k 11.9 -> 10.6, 32k 28.7 -> 26.0; batch 4 / 4k 19.8 -> 18.3, 32k 97.0 -> 80.6; batch 16
+# / 4k 64.0 -> 54.0, 32k 325.5 -> 274.9; batch 64 / 4k 193.8 -> 173.3, 32k 1216 -> 1023. (maxnreg 128, 16
+# warps an SM, was 0.5-2% slower; aiming at 32 or 16 programs an SM won some cells and lost others.) The
+# other formats' loops are bound by their bytes, not their issue: two warps made them 8-73% slower at
+# batch 16 and 64 (kvarn, kivi-k2v2, kitty, kivi-k4v4), and kivi-k4v4 28% slower at batch 1 / 32k.
+NF4_WARPS = 2
 RESIDENT_PER_SM = 8  # every format's split kernel compiles to 255 registers (scripts/sass.py)
 MIN_PAGES_PER_SPLIT = 2
 # One wave of longer splits instead of the counts near PROGRAMS_PER_SM (many short splits in several
@@ -1374,6 +1383,14 @@ def _whole_planes(kl: Layout, vl: Layout, step: int) -> bool:
     return all(lay.bits != 16 and not lay.nf4 and lay.rows == step for lay in (kl, vl))
 
 
+def _split_warps(kl: Layout, vl: Layout, whole_pages: bool) -> int:
+    """Warps a split program: FP16_PAGE_WARPS for whole FP16 pages a step, NF4_WARPS for NF4 pages (their
+    lookups bind the loop's issue), else NUM_WARPS."""
+    if whole_pages:
+        return FP16_PAGE_WARPS
+    return NF4_WARPS if (kl.nf4 or vl.nf4) else NUM_WARPS
+
+
 def _page_stages(kl: Layout, vl: Layout, step: int, pages_per_split: int, together: bool) -> int:
     """Triton num_stages for the page loop (PIPELINE_STAGES where it pays, else 1: not pipelined);
     together: the launch's page programs start together (_starts_together; there the L2 prefetch pays)."""
@@ -1491,7 +1508,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else out
     o_part = out if one else _scratch((B * H, n_parts, M, D), q.device)
     lse_part = lse if one else _scratch((B * H, n_parts, M), q.device)
-    warps = launch.num_warps or (FP16_PAGE_WARPS if whole_pages else NUM_WARPS)
+    warps = launch.num_warps or _split_warps(kl, vl, whole_pages)
     options = dict(num_warps=warps, num_stages=launch.num_stages or NUM_STAGES)
     if launch.maxnreg:
         options["maxnreg"] = launch.maxnreg

@@ -552,6 +552,21 @@ def test_page_loop_pipelined_where_it_pays(name, batch, pages, want, monkeypatch
     assert attention._page_stages(kl, vl, step, per, together) == want
 
 
+@pytest.mark.parametrize("name,whole_pages,want", [
+    ("nqkv", False, 2),  # NF4 lookups: two warps share each tile
+    ("kitty", False, 1),
+    ("kivi-k4v4", False, 1),
+    ("kvmix:3v3", False, 1),
+    ("kvarn", False, 1),
+    ("fp16", False, 1),
+    ("fp16", True, 4),  # a whole FP16 page a step (few programs)
+])
+def test_split_program_warps(name, whole_pages, want):
+    """Warps a split program gets by default: one, but NF4 pages two and whole FP16 pages four."""
+    kl, vl = attention._layouts(get_format(name), 8, 128)
+    assert attention._split_warps(kl, vl, whole_pages) == want
+
+
 def _launch_of(kl, vl, batch: int, pages: int) -> tuple[int, int, bool]:
     """decode_attention's step, pages a split and _starts_together for Llama-3-8B's 8 kv heads and 4 q
     rows a kv head: a split launch has the sink's program and 1 recent-tier program a pair where
