@@ -1179,7 +1179,7 @@ SWAP = os.environ.get("NANOKV_SWAP", "1") != "0"
 # loops, where it was 2.5x slower): the next page's code planes, channel scales and boosted plane are
 # copied into shared memory (cp.async) while this page computes. It pays where every packed plane is
 # one step's rows (the 2-bit RTN formats: kitty, kitty-pro, kivi-k2v2, kvarn; the 4-bit planes, read a
-# block of rows at a time, and NF4 were 2-16% slower) and a split walks enough pages to overlap them
+# block of rows at a time, and NF4 at one warp a program were 2-16% slower) and a split walks enough pages to overlap them
 # (at 2 pages a split kitty was 1.5-3% slower). Llama-3-8B shape, H100, session 19, us at 32k in one
 # process: batch 16 kitty 185.1 -> 173.8, kitty-pro 213.1 -> 183.4, kivi-k2v2 155.7 -> 148.4, kvarn
 # 227.8 -> 219.7; batch 64 kitty 655.6 -> 625.4, kitty-pro 756.0 -> 654.2. Launch.page_stages overrides it.
@@ -1399,7 +1399,11 @@ def _page_stages(kl: Layout, vl: Layout, step: int, pages_per_split: int, togeth
     # after: batch 16 / 32k 249.0 -> 227.9, batch 64 / 32k 958 -> 881, batch 64 / 4k 152.7 -> 145.7, batch
     # 16 / 4k level at 49.3; 3-bit keys with 2-bit values, which this leaves alone, level in every cell)
     three_bit = kl.bits == vl.bits == 3 and step == 16
-    pays = (_whole_planes(kl, vl, step) or three_bit) and pages_per_split >= PIPELINE_MIN_PAGES and not together
+    # NF4 pages at two warps a program (NF4_WARPS) have the registers for it, and pipelined they are faster
+    # (nqkv, H100, session 51, us, in one process: batch 16 / 32k 274.1 and 272.6 -> 268.4, batch 64 / 32k 1003
+    # and 1032 -> 982, batch 64 / 4k 172.4 and 171.7 -> 169.1, batch 16 / 4k level at 54.0)
+    nf4 = kl.nf4 and vl.nf4
+    pays = (_whole_planes(kl, vl, step) or three_bit or nf4) and pages_per_split >= PIPELINE_MIN_PAGES and not together
     return PIPELINE_STAGES if pays else 1
 
 

@@ -141,6 +141,7 @@ CASES = [
     ("kvarn-k4v2", 64, 4, 2, "long", 2, None, "softmax_steps=2"),
     ("kvmix:3v3", 64, 4, 1, "mixed", 2, 3, "softmax_steps=8"),
     ("kvmix:3v3", 128, 4, 1, "long", 1, 3, "page_stages=2"),  # 16-token steps pipelined (on a GPU)
+    ("nqkv", 128, 4, 1, "long", 2, 2, "page_stages=2"),  # NF4 pipelined at two warps a program (on a GPU)
     # the page loop software-pipelined (three pages for the first split of the long row's six; one
     # program over all five of a row), Kitty's boosted plane then padded to 32 columns
     ("kitty", 128, 4, 1, "long", 2, 2, "page_stages=2"),
@@ -539,7 +540,8 @@ def test_default_splits_fill_the_waves(batch, pages, want, monkeypatch):
     ("kvmix:3v2", 1, 256, 1),
     ("kvmix:3v3", 16, 256, 2),  # 3-bit keys and values: 16-token steps, the 2-bit planes a block of rows at a time
     ("kvmix:3v3", 1, 256, 1),
-    ("nqkv", 16, 256, 1),
+    ("nqkv", 16, 256, 2),  # NF4 at two warps a program
+    ("nqkv", 1, 256, 1),
     ("fp16", 16, 256, 1),
 ])
 def test_page_loop_pipelined_where_it_pays(name, batch, pages, want, monkeypatch):
