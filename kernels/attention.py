@@ -1089,7 +1089,9 @@ NF4_PROGRAMS_PER_SM = 64
 # other formats' loops are bound by their bytes, not their issue: two warps made them 8-73% slower at
 # batch 16 and 64 (kvarn, kivi-k2v2, kitty, kivi-k4v4), and kivi-k4v4 28% slower at batch 1 / 32k.
 NF4_WARPS = 2
-RESIDENT_PER_SM = 8  # every format's split kernel compiles to 255 registers (scripts/sass.py)
+# every one-warp split kernel compiles to ~255 registers (scripts/sass.py); NF4's two-warp programs fit 7 an SM
+# (5 pipelined), but their launch aims at NF4_PROGRAMS_PER_SM, several waves wherever it has many pairs
+RESIDENT_PER_SM = 8
 MIN_PAGES_PER_SPLIT = 2
 # One wave of longer splits instead of the counts near PROGRAMS_PER_SM (many short splits in several
 # waves) where the lockstep model (_wave_pages) makes it ONE_WAVE_MARGIN shorter and either the launch
@@ -1399,9 +1401,10 @@ def _page_stages(kl: Layout, vl: Layout, step: int, pages_per_split: int, togeth
     # after: batch 16 / 32k 249.0 -> 227.9, batch 64 / 32k 958 -> 881, batch 64 / 4k 152.7 -> 145.7, batch
     # 16 / 4k level at 49.3; 3-bit keys with 2-bit values, which this leaves alone, level in every cell)
     three_bit = kl.bits == vl.bits == 3 and step == 16
-    # NF4 pages at two warps a program (NF4_WARPS) have the registers for it, and pipelined they are faster
-    # (nqkv, H100, session 51, us, in one process: batch 16 / 32k 274.1 and 272.6 -> 268.4, batch 64 / 32k 1003
-    # and 1032 -> 982, batch 64 / 4k 172.4 and 171.7 -> 169.1, batch 16 / 4k level at 54.0)
+    # NF4 pages at two warps a program (NF4_WARPS) have the registers for it (180 a thread pipelined, no
+    # spill), and pipelined they are faster (nqkv, H100, session 51, us, interleaved in one process, not ->
+    # pipelined: batch 16 / 32k 273.6-275.6 -> 268.1-270.2 in six pairs; batch 64 / 32k 1005-1078 -> 973-1013,
+    # with one 1109 and one 1155; at 4k and at batch 1 / 4 the rule leaves their launches as they were)
     nf4 = kl.nf4 and vl.nf4
     pays = (_whole_planes(kl, vl, step) or three_bit or nf4) and pages_per_split >= PIPELINE_MIN_PAGES and not together
     return PIPELINE_STAGES if pays else 1
