@@ -1405,7 +1405,7 @@ def _page_stages(kl: Layout, vl: Layout, step: int, pages_per_split: int, togeth
     # spill), and pipelined they are faster (nqkv, H100, session 51, us, interleaved in one process, not ->
     # pipelined: batch 16 / 32k 273.6-275.6 -> 268.1-270.2 in six pairs; batch 64 / 32k 1005-1078 -> 973-1013,
     # with one 1109 and one 1155; at 4k and at batch 1 / 4 the rule leaves their launches as they were)
-    nf4 = kl.nf4 and vl.nf4
+    nf4 = kl.nf4 or vl.nf4  # (the pages _split_warps gives two warps)
     pays = (_whole_planes(kl, vl, step) or three_bit or nf4) and pages_per_split >= PIPELINE_MIN_PAGES and not together
     return PIPELINE_STAGES if pays else 1
 
