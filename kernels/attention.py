@@ -1018,7 +1018,7 @@ class Launch:
     launch options (defaults NUM_WARPS, FP16_PAGE_WARPS or NF4_WARPS, NUM_STAGES). asm:
     unpack codes with PTX (default whenever compiled). softmax_steps: steps whose logits are all
     computed before one update of the running max (a power of 2, capped at a page's steps;
-    default SOFTMAX_STEPS). swap: unpack the values' codes swapped where _swappable allows
+    default _softmax_steps). swap: unpack the values' codes swapped where _swappable allows
     (default SWAP). page_stages: Triton num_stages of the page loop alone, 1 = not pipelined
     (default _page_stages). prefetch: prefetch the next page into the L2 (default _prefetches).
     gluon: run the split kernel in Gluon (kernels/gluon_attention.py) where it applies (default
@@ -1172,9 +1172,10 @@ FEW_PROGRAMS_PER_SM = 4
 NUM_STAGES = 1
 # Steps per softmax update (Launch.softmax_steps): a group's logits first, then one update of the
 # running max, then their value products. 4 (a whole 2-bit page) beat 1 in every cell of the
-# kernel table, and 8 was level with 4 (H100, session 15; with BLOCK_N_MIN 4, kitty at batch
-# 16 / 32k went from 274 to 218 us). NANOKV_SOFTMAX_STEPS sets it for every launch.
-SOFTMAX_STEPS = int(os.environ.get("NANOKV_SOFTMAX_STEPS", "4"))
+# kernel table (H100, session 15; with BLOCK_N_MIN 4, kitty at batch 16 / 32k went from 274 to 218
+# us); 3-bit keys and values take a whole page of 16-token steps (_softmax_steps). NANOKV_SOFTMAX_STEPS
+# sets it for every launch.
+SOFTMAX_STEPS = int(os.environ.get("NANOKV_SOFTMAX_STEPS", "0"))
 # Values unpacked swapped (module docstring), Launch.swap: NANOKV_SWAP=0 turns it off for every launch.
 SWAP = os.environ.get("NANOKV_SWAP", "1") != "0"
 # Software pipelining of the page loop alone (Triton's num_stages on that loop, not on the FP16 tiers'
@@ -1379,6 +1380,18 @@ def _step(kl: Layout, vl: Layout, pages_per_split: int, together: bool) -> int:
     return step
 
 
+def _softmax_steps(kl: Layout, vl: Layout, step: int) -> int:
+    """Steps per softmax update (SOFTMAX_STEPS where set): 4, a whole page at 32-token steps, but a whole page of
+    16-token steps (8) for 3-bit keys and values. In two groups of 4 their page asked for each group's key block
+    only after the previous group's value products (scripts/sass.py --loads); one group asks for both at the top.
+    H100, session 52, us, 4 -> 8 steps: k3v3 batch 1 / 16 / 64 at 4k 11.3 / 49.3 / 144 -> 10.7 / 45.1 / 130.7, at
+    32k 23.9 / 226-231 / 867-908 -> 21.5-21.7 / 205 / 805-810; k3v2's 16-token steps (batch 1, batch 16 / 4k) were
+    mixed (batch 1 / 32k 19.3 -> 18.9, batch 16 / 4k 39.1 -> 39.7), so they keep 4."""
+    if SOFTMAX_STEPS:
+        return SOFTMAX_STEPS
+    return PAGE_TOKENS // step if kl.bits == vl.bits == 3 else 4
+
+
 def _whole_planes(kl: Layout, vl: Layout, step: int) -> bool:
     """Whether every packed plane is one step's rows (the 2-bit RTN formats; 3-bit codes in 32-token steps,
     whose top bits' plane is read whole too), read whole at a page's start."""
@@ -1500,7 +1513,7 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     asm = launch.asm
     if asm and INTERPRETED:
         raise ValueError("asm=True needs the compiled kernel (the Triton interpreter cannot run PTX)")
-    softmax_steps = launch.softmax_steps or SOFTMAX_STEPS
+    softmax_steps = launch.softmax_steps or _softmax_steps(kl, vl, step)
     if softmax_steps & (softmax_steps - 1) or softmax_steps < 1:
         raise ValueError(f"softmax_steps must be a power of 2 >= 1, got {softmax_steps}")
     swap = SWAP if launch.swap is None else launch.swap

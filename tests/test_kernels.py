@@ -134,12 +134,12 @@ CASES = [
     ("kvmix:4v3", 64, 7, 2, "long", 2, 2, ""),
     ("kvmix:3v2", 128, 4, 1, "long", 2, 3, "window=300,step=32"),  # 3-bit keys' top bits at two slots a step
     ("kitty-pro", 64, 7, 11, "mixed", 1, 2, "window=60,lse"),  # 77 q rows per kv head: two row blocks
-    # steps per softmax update other than the default 4 (a whole 2-bit page, under which every
-    # other case runs, windows masking whole groups): one a step with a window, a 4-bit block's 2,
-    # and the 3-bit planes' 8 steps of 16 tokens across two blocks of rows
+    # steps per softmax update other than the default (_softmax_steps: a whole page, under which every
+    # other case runs, windows masking whole groups): one a step with a window, a 4-bit block's 2, and
+    # the 3-bit planes' page of 8 16-token steps in two groups of one block of rows each
     ("kitty", 64, 4, 1, "long", 2, 3, "window=200,softmax_steps=1"),
     ("kvarn-k4v2", 64, 4, 2, "long", 2, None, "softmax_steps=2"),
-    ("kvmix:3v3", 64, 4, 1, "mixed", 2, 3, "softmax_steps=8"),
+    ("kvmix:3v3", 64, 4, 1, "mixed", 2, 3, "softmax_steps=4"),
     ("kvmix:3v3", 128, 4, 1, "long", 1, 3, "page_stages=2"),  # 16-token steps pipelined (on a GPU)
     ("nqkv", 128, 4, 1, "long", 2, 2, "page_stages=2"),  # NF4 pipelined at two warps a program (on a GPU)
     # the page loop software-pipelined (three pages for the first split of the long row's six; one
@@ -567,6 +567,19 @@ def test_split_program_warps(name, whole_pages, want):
     """Warps a split program gets by default: one, but NF4 pages two and whole FP16 pages four."""
     kl, vl = attention._layouts(get_format(name), 8, 128)
     assert attention._split_warps(kl, vl, whole_pages) == want
+
+
+@pytest.mark.parametrize("name,step,want", [
+    ("kitty", 32, 4),       # a whole page
+    ("kivi-k4v4", 32, 4),
+    ("kvmix:3v3", 16, 8),   # a whole page of 16-token steps
+    ("kvmix:3v2", 16, 4),   # half a page: one block of rows a group
+    ("fp16", 128, 4),       # (capped at the page's one step by the launch)
+])
+def test_softmax_steps(name, step, want):
+    """Steps per softmax update by default: 4, except a whole page of 16-token steps for 3-bit keys and values."""
+    kl, vl = attention._layouts(get_format(name), 8, 128)
+    assert attention._softmax_steps(kl, vl, step) == want
 
 
 def _launch_of(kl, vl, batch: int, pages: int) -> tuple[int, int, bool]:
