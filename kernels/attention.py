@@ -1011,7 +1011,7 @@ class Launch:
 
     num_splits: page splits per (row, kv head), 0 = one program walks everything (no merge);
     default: default_splits. programs_per_sm: what the default split count aims at
-    (PROGRAMS_PER_SM; NF4 pages: NF4_PROGRAMS_PER_SM). min_pages: fewest pages per split (MIN_PAGES_PER_SPLIT). recent_parts:
+    (PROGRAMS_PER_SM). min_pages: fewest pages per split (MIN_PAGES_PER_SPLIT). recent_parts:
     programs the FP16 recent tier is split over (RECENT_PARTS, more for a long tier: RECENT_PART_TOKENS). step: tokens per inner step (a power of 2, 16..PAGE_TOKENS; default
     _step). block_n: query rows per program (a power of 2 >= 4, which tl.dot pads to the MMA's 8
     itself; default the rows rounded up to BLOCK_N_MIN). num_warps / num_stages / maxnreg: Triton
@@ -1076,21 +1076,17 @@ def _sm_count(device: torch.device) -> int:
 # where that pays, PIPELINE_STAGES). With a [D, N] accumulator and a page's codes live a warp
 # needs ~255 registers, so an SM keeps 8 programs resident and queues the rest.
 PROGRAMS_PER_SM = 32
-# NF4 pages (plain launch, below) take twice as many, so shorter splits: with the paired lookup, nqkv
-# at 32k batch 16 387 -> 360 us, batch 64 1325 -> 1287, batch 16 / 4k 71 -> 70, batch 64 / 4k
-# 202 -> 206 (`--variants auto,m64`, two runs, H100, session 21); batch 1 is capped by its pages.
-NF4_PROGRAMS_PER_SM = 64
-# ... and two warps a program: Triton spreads each tile over both, so a warp's page takes 1872 instructions
+# NF4 pages take two warps a program: Triton spreads each tile over both, so a warp's page takes 1872 instructions
 # instead of 3597 and 133 registers instead of 255 with 72 bytes of stack (scripts/sass.py), and an SM holds
 # 14 warps instead of 8 to hide the lookups' latency. Llama-3-8B shape, H100, session 51, us, one warp ->
 # two: batch 1 / 4k 11.9 -> 10.6, 32k 28.7 -> 26.0; batch 4 / 4k 19.8 -> 18.3, 32k 97.0 -> 80.6; batch 16
 # / 4k 64.0 -> 54.0, 32k 325.5 -> 274.9; batch 64 / 4k 193.8 -> 173.3, 32k 1216 -> 1023. (maxnreg 128, 16
-# warps an SM, was 0.5-2% slower; aiming at 32 or 16 programs an SM won some cells and lost others.) The
-# other formats' loops are bound by their bytes, not their issue: two warps made them 8-73% slower at
-# batch 16 and 64 (kvarn, kivi-k2v2, kitty, kivi-k4v4), and kivi-k4v4 28% slower at batch 1 / 32k.
+# warps an SM, was 0.5-2% slower.) The other formats' loops are bound by their bytes, not their issue: two
+# warps made them 8-73% slower at batch 16 and 64 (kvarn, kivi-k2v2, kitty, kivi-k4v4), and kivi-k4v4 28%
+# slower at batch 1 / 32k.
 NF4_WARPS = 2
 # every one-warp split kernel compiles to ~255 registers (scripts/sass.py); NF4's two-warp programs fit 7 an SM
-# (5 pipelined), but their launch aims at NF4_PROGRAMS_PER_SM, several waves wherever it has many pairs
+# (5 pipelined), but their launch aims at PROGRAMS_PER_SM, several waves wherever it has many pairs
 RESIDENT_PER_SM = 8
 MIN_PAGES_PER_SPLIT = 2
 # One wave of longer splits instead of the counts near PROGRAMS_PER_SM (many short splits in several
@@ -1481,12 +1477,15 @@ def decode_attention(q: Tensor, fmt, tiers: Tiers, scale: float, *, window: int 
     # 8 splits 1700 us against 9 splits 1652; one recent-tier program: batch 64 / 4k 239 -> 266,
     # batch 16 / 32k 445 -> 518; H100, session 18). With the paired lookup (8 fewer instructions per
     # eight codes) still not: both rules on, batch 64 / 32k 1290-1329 -> 1354-1362 us, 4k 201 -> 217,
-    # batch 16 level (session 21). They aim at NF4_PROGRAMS_PER_SM instead of PROGRAMS_PER_SM.
+    # batch 16 level (session 21). They aim at PROGRAMS_PER_SM as the others do. At one warp a program
+    # they took 64, shorter splits (nqkv at 32k batch 16 387 -> 360 us, batch 64 1325 -> 1287; session
+    # 21); at two warps (NF4_WARPS) 32 is faster where 64 gave splits of 2-4 pages (session 52, us, 64 ->
+    # 32: batch 16 / 16k 153.2 -> 144.3, batch 64 / 4k 172 -> 164, 8k 287-292 -> 284) and level elsewhere
+    # at batch 4-64 and 4k-32k; batch 1 is capped by its pages either way.
     plain = kl.nf4 or vl.nf4
     if num_splits is None:
-        per_sm = launch.programs_per_sm or (NF4_PROGRAMS_PER_SM if plain else None)
-        num_splits = default_splits(page_table.shape[1], B * H * n_blocks, q.device, per_sm, launch.min_pages,
-                                    fill_waves=not plain)
+        num_splits = default_splits(page_table.shape[1], B * H * n_blocks, q.device, launch.programs_per_sm,
+                                    launch.min_pages, fill_waves=not plain)
         num_splits = 0 if num_splits == 1 else num_splits  # one split: no partials, no merge
     one = num_splits == 0
     # (row, kv head) pairs for at least half the SMs: their splits may come in several waves
