@@ -134,9 +134,9 @@ CASES = [
     ("kvmix:4v3", 64, 7, 2, "long", 2, 2, ""),
     ("kvmix:3v2", 128, 4, 1, "long", 2, 3, "window=300,step=32"),  # 3-bit keys' top bits at two slots a step
     ("kitty-pro", 64, 7, 11, "mixed", 1, 2, "window=60,lse"),  # 77 q rows per kv head: two row blocks
-    # steps per softmax update other than the default (_softmax_steps: a whole page, under which every
-    # other case runs, windows masking whole groups): one a step with a window, a 4-bit block's 2, and
-    # the 3-bit planes' page of 8 16-token steps in two groups of one block of rows each
+    # steps per softmax update other than the default (_softmax_steps: 4, a whole page but at 3-bit keys
+    # beside other values in 16-token steps; windows mask whole groups): one a step with a window, a
+    # 4-bit block's 2, and the 3-bit planes' page of 8 16-token steps in two groups of one block of rows
     ("kitty", 64, 4, 1, "long", 2, 3, "window=200,softmax_steps=1"),
     ("kvarn-k4v2", 64, 4, 2, "long", 2, None, "softmax_steps=2"),
     ("kvmix:3v3", 64, 4, 1, "mixed", 2, 3, "softmax_steps=4"),
